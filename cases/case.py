@@ -1,0 +1,236 @@
+"""Case descriptions: small frozen dataclasses whose tensors are rebuilt from a seed.
+
+A case is cheap to pickle (it crosses to every rank) and its inputs are a pure function of its
+fields, so the main process (oracle) and every rank (shard) see the same values.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+REGIMES = ("normal", "peaked", "huge", "ties", "neginf")
+MASKS = ("none", "random", "drop_target", "only_target")
+TOP_P = ("none", "nucleus", "partial")
+LOSS_TERMS = ("both", "log_prob", "entropy")
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _logits(g: torch.Generator, rows: int, vocab: int, regime: str, dtype: torch.dtype) -> torch.Tensor:
+    x = torch.randn(rows, vocab, generator=g, dtype=torch.float64)
+    if regime == "peaked":
+        # One confident entry per row: where uniform inputs hide padding and max-subtraction bugs.
+        spike = torch.randint(0, vocab, (rows,), generator=g)
+        x[torch.arange(rows), spike] += 12.0 + 6.0 * torch.rand(rows, generator=g, dtype=torch.float64)
+    elif regime == "huge":
+        x = (x * 1.0e4).clamp(-3.0e4, 3.0e4)  # stays finite in fp16
+    elif regime == "ties":
+        x = torch.randint(0, 3, (rows, vocab), generator=g).to(torch.float64)
+    elif regime == "neginf":
+        x = x.masked_fill(torch.rand(rows, vocab, generator=g) < 0.3, -math.inf)
+    return x.to(dtype)
+
+
+@dataclass(frozen=True)
+class KernelInputs:
+    logits: torch.Tensor  # [T, V], case dtype
+    tokens: torch.Tensor  # [T] int64
+    keep_mask: torch.Tensor | None  # [T, V] bool
+    w_log_prob: torch.Tensor | None  # [T] float32 upstream weights; None: not in the loss
+    w_entropy: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class WrapperInputs:
+    logits: torch.Tensor  # [T, V] float32 (the wrapper adds the batch dim)
+    unconcat_tokens: list[torch.Tensor]
+    top_p_token_ids: list[torch.Tensor | None] | None
+    top_p_token_offsets: list[torch.Tensor] | None
+    w_log_probs: list[torch.Tensor]
+    w_entropy: list[torch.Tensor]
+
+
+class _CaseBase:
+    level: ClassVar[str]
+
+    def spec(self) -> str:
+        """Stable one-line form; `parse_case(spec)` rebuilds the case."""
+        parts = [f"{f.name}={_fmt(getattr(self, f.name))}" for f in dataclasses.fields(self)]
+        return f"{self.level}:" + ",".join(parts)
+
+    def replace(self, **changes: Any):
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def vocab(self) -> int:
+        return self.tp * self.v_local
+
+
+@dataclass(frozen=True)
+class KernelCase(_CaseBase):
+    tp: int
+    T: int
+    v_local: int
+    dtype: str = "fp32"
+    regime: str = "normal"
+    chunk_size: int = -1
+    mask: str = "none"
+    with_entropy: bool = True
+    with_entropy_grad: bool = True
+    requires_grad: bool = True
+    loss_terms: str = "both"  # which outputs the upstream loss uses: both | log_prob | entropy
+    seed: int = 0
+    level: ClassVar[str] = "kernel"
+
+    @property
+    def expects_entropy_grad(self) -> bool:
+        return self.with_entropy and self.with_entropy_grad and self.requires_grad
+
+    @property
+    def has_backward(self) -> bool:
+        """The upstream loss reaches the logits through at least one differentiable output."""
+        return self.requires_grad and (self.loss_terms != "entropy" or self.expects_entropy_grad)
+
+    def group(self) -> str:
+        """Readable id of the configuration family, used in test ids and summaries."""
+        return f"{self.level}-tp{self.tp}-{self.dtype}-{'masked' if self.mask != 'none' else 'unmasked'}"
+
+    def inputs(self) -> KernelInputs:
+        g = _generator(self.seed)
+        T, V = self.T, self.vocab
+        logits = _logits(g, T, V, self.regime, DTYPES[self.dtype])
+        tokens = torch.randint(0, V, (T,), generator=g)
+        # The first and last id of every shard, for every TP layout of this vocab: where offset and
+        # boundary bugs live. Independent of self.tp, so the same global case at another TP size
+        # (tp-invariance) sees the same tokens.
+        edges = sorted({i for k in (1, 2, 4, 8) if V % k == 0 for r in range(k)
+                        for i in (r * (V // k), (r + 1) * (V // k) - 1)})
+        n = min(T, len(edges))
+        tokens[:n] = torch.tensor(edges[:n], dtype=torch.int64)
+        if self.regime == "neginf" and T:
+            # A -inf target makes log p = -inf by definition; keep targets finite so values compare.
+            rows = torch.arange(T)
+            logits[rows, tokens] = torch.randn(T, generator=g).to(logits.dtype)
+        keep = None
+        if self.mask != "none":
+            keep = torch.rand(T, V, generator=g) < 0.5
+            if self.mask == "drop_target" and T:
+                keep[torch.arange(T), tokens] = False
+            elif self.mask == "only_target":
+                keep[:] = False
+        w1 = torch.randn(T, generator=g)
+        w2 = torch.randn(T, generator=g)
+        # A loss that leaves one output out gives it no upstream gradient (slime #2158's trigger).
+        return KernelInputs(logits, tokens, keep, w1 if self.loss_terms != "entropy" else None,
+                            w2 if self.loss_terms != "log_prob" else None)
+
+
+@dataclass(frozen=True)
+class WrapperCase(_CaseBase):
+    tp: int
+    v_local: int
+    total_lengths: tuple[int, ...]
+    response_lengths: tuple[int, ...]
+    entropy_coef: float | None = None  # None: the attribute is absent from args
+    temperature: float | None = None  # None: absent, meaning 1.0
+    chunk_size: int = -1
+    with_entropy: bool = True
+    top_p: str = "none"
+    regime: str = "normal"
+    seed: int = 0
+    level: ClassVar[str] = "wrapper"
+
+    @property
+    def T(self) -> int:
+        return sum(self.total_lengths)
+
+    @property
+    def expects_entropy_grad(self) -> bool:
+        coef = 0.0 if self.entropy_coef is None else self.entropy_coef
+        return self.with_entropy and coef != 0
+
+    def group(self) -> str:
+        return f"{self.level}-tp{self.tp}-{'topp' if self.top_p != 'none' else 'plain'}"
+
+    def args(self) -> SimpleNamespace:
+        args = SimpleNamespace(log_probs_chunk_size=self.chunk_size, allgather_cp=False)
+        if self.entropy_coef is not None:
+            args.entropy_coef = self.entropy_coef
+        if self.temperature is not None:
+            args.rollout_temperature = self.temperature
+        return args
+
+    def inputs(self) -> WrapperInputs:
+        g = _generator(self.seed)
+        V = self.vocab
+        logits = _logits(g, self.T, V, self.regime, torch.float32)
+        tokens = [torch.randint(0, V, (L,), generator=g) for L in self.total_lengths]
+        ids: list[torch.Tensor | None] | None = None
+        offsets: list[torch.Tensor] | None = None
+        if self.top_p != "none":
+            ids, offsets = [], []
+            for i, R in enumerate(self.response_lengths):
+                sizes = torch.randint(1, V + 1, (R,), generator=g)
+                if self.top_p == "partial":
+                    # Rows with no recorded nucleus must stay unmasked.
+                    sizes = sizes * (torch.rand(R, generator=g) < 0.5)
+                kept = [torch.randperm(V, generator=g)[: int(k)].sort().values for k in sizes]
+                offsets.append(torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)]))
+                ids.append(torch.cat(kept) if kept else torch.zeros(0, dtype=torch.int64))
+            if self.top_p == "partial" and ids:
+                ids[0] = None
+        w1 = [torch.randn(R, generator=g) for R in self.response_lengths]
+        w2 = [torch.randn(R, generator=g) for R in self.response_lengths]
+        return WrapperInputs(logits, tokens, ids, offsets, w1, w2)
+
+
+CASE_TYPES: dict[str, type] = {"kernel": KernelCase, "wrapper": WrapperCase}
+Case = KernelCase | WrapperCase
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "absent"
+    if isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, tuple):
+        return "/".join(str(v) for v in value) or "-"
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def _parse(raw: str, annotation: str) -> Any:
+    if "tuple" in annotation:
+        return tuple(int(v) for v in raw.split("/")) if raw != "-" else ()
+    if raw == "absent" and "None" in annotation:
+        return None
+    if annotation.startswith("bool"):
+        return bool(int(raw))
+    if annotation.startswith("int"):
+        return int(raw)
+    if annotation.startswith("float"):
+        return float(raw)
+    return raw
+
+
+def parse_case(spec: str) -> Case:
+    """Inverse of `spec()`; raises ValueError with the offending part on bad input."""
+    level, _, body = spec.partition(":")
+    if level not in CASE_TYPES:
+        raise ValueError(f"unknown case level {level!r} in {spec!r}; expected one of {sorted(CASE_TYPES)}")
+    cls = CASE_TYPES[level]
+    fields = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    for part in filter(None, body.split(",")):
+        key, sep, raw = part.partition("=")
+        if not sep or key not in fields:
+            raise ValueError(f"bad case field {part!r}; {level} cases have {', '.join(fields)}")
+        values[key] = _parse(raw, fields[key])
+    return cls(**values)

@@ -1,0 +1,54 @@
+"""The regression corpus: one named case per real defect in CONTRACT.md's history, always run.
+
+Each entry is data: the case that would have exposed the defect and the check that sees it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cases.case import Case, KernelCase, WrapperCase
+
+
+@dataclass(frozen=True)
+class Regression:
+    name: str
+    history: str
+    check: str
+    case: Case
+
+
+def _w(**kw) -> WrapperCase:
+    base = dict(tp=2, v_local=5, total_lengths=(6, 4), response_lengths=(3, 2), seed=2153)
+    return WrapperCase(**{**base, **kw})
+
+
+CORPUS: tuple[Regression, ...] = (
+    Regression("coef-zero-metric-only", "slime #2153: entropy_coef == 0 must give a metric-only entropy",
+               "entropy-coef-rule", _w(entropy_coef=0.0)),
+    Regression("coef-absent-metric-only", "slime #2153: an absent entropy_coef means 0", "entropy-coef-rule",
+               _w(entropy_coef=None)),
+    Regression("coef-negative-differentiable", "slime #2153: a negative coefficient is still a coefficient",
+               "entropy-coef-rule", _w(entropy_coef=-0.01)),
+    Regression("coef-nonzero-inverted", "slime #1185/#1189: the no-grad condition shipped inverted",
+               "entropy-coef-rule", _w(entropy_coef=0.01)),
+    Regression("metric-only-collectives", "slime #1822: metric-only entropy left collectives unmatched",
+               "collectives", KernelCase(tp=2, T=6, v_local=5, with_entropy_grad=False, seed=1822)),
+    Regression("fp32-grad-not-quantized", "slime #2152: the log-prob gradient was cast to bf16",
+               "gradients", KernelCase(tp=2, T=9, v_local=7, with_entropy=False, seed=2152)),
+    Regression("one-output-in-loss", "slime #2158: a missing upstream gradient silently dropped a term",
+               "gradients", KernelCase(tp=2, T=7, v_local=6, loss_terms="log_prob", seed=2158)),
+    Regression("fp32-logits-not-mutated", "Megatron-LM #1594: .float() is a no-op on float32, so in-place ops "
+               "mutated the caller's logits", "input-integrity", KernelCase(tp=2, T=5, v_local=4, seed=1594)),
+    Regression("inplace-logits-entropy", "verl #1672/#2484: in-place edits of logits gave a wrong entropy",
+               "input-integrity", KernelCase(tp=1, T=5, v_local=8, chunk_size=2, seed=1672)),
+    Regression("peaked-odd-vocab", "verl #2656: padding added exp(0) to the log-sum-exp; peaked inputs see it",
+               "values", KernelCase(tp=2, T=8, v_local=13, regime="peaked", seed=2656)),
+    Regression("wrapper-chunk-size", "NeMo-RL #2871/#2872: the chunk size was ignored on the training path",
+               "chunk-size-honoured", _w(chunk_size=2, entropy_coef=0.01)),
+    Regression("non-owner-shard-grads", "ms-swift #9947: non-owner vocab shards got wrong gradients at TP > 1",
+               "gradients", KernelCase(tp=4, T=8, v_local=3, with_entropy=False, seed=9947)),
+    Regression("odd-vocab-tp2", "Megatron-LM #1754: a vocab not divisible by the kernel block diverged at TP 2",
+               "values", KernelCase(tp=2, T=6, v_local=7, seed=1754)),
+    Regression("empty-batch-tp4", "contract: T == 0 returns empty outputs without error", "empty-input",
+               KernelCase(tp=4, T=0, v_local=4)),
+)

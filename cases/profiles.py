@@ -1,0 +1,47 @@
+"""How much to run. A profile sets the randomized case counts of `harness check` and the Hypothesis
+settings of the pytest suites; `ci` is derandomized and loads whenever the CI variable is set."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, Phase, Verbosity, settings
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    kernel_cases: int  # randomized kernel cases per TP size
+    wrapper_cases: int  # randomized wrapper cases per TP size
+    pytest_examples: int  # examples per parametrized pytest id
+
+
+PROFILES = {
+    "smoke": Profile("smoke", kernel_cases=12, wrapper_cases=5, pytest_examples=4),
+    "ci": Profile("ci", kernel_cases=150, wrapper_cases=40, pytest_examples=8),
+    "dev": Profile("dev", kernel_cases=150, wrapper_cases=40, pytest_examples=15),
+    "thorough": Profile("thorough", kernel_cases=2000, wrapper_cases=500, pytest_examples=100),
+}
+DEFAULT_PROFILE = "ci"
+
+_COMMON = dict(deadline=None, print_blob=True, report_multiple_bugs=False,
+               suppress_health_check=list(HealthCheck))
+
+for _p in PROFILES.values():
+    settings.register_profile(
+        _p.name, max_examples=_p.pytest_examples,
+        # CI must not flake or depend on a local example database; dev keeps failures across runs.
+        derandomize=_p.name in ("ci", "smoke"), database=None if _p.name != "dev" else settings.default.database,
+        **_COMMON)
+
+
+def load_for_pytest(name: str | None = None) -> Profile:
+    name = name or ("ci" if os.environ.get("CI") else "dev")
+    settings.load_profile(name)
+    return PROFILES[name]
+
+
+def explore_settings(max_examples: int, shrink: bool) -> settings:
+    """Settings for the CLI's exploration: quiet, no database, shrinking optional."""
+    phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if shrink else [])
+    return settings(max_examples=max_examples, database=None, verbosity=Verbosity.quiet, phases=phases, **_COMMON)

@@ -1,0 +1,76 @@
+"""Hypothesis strategies over cases. They draw a handful of scalars; tensors come from the case's
+seed, so drawing is cheap and shrinking works on shapes and settings, not on tensor entries.
+
+Lists are ordered simplest first: Hypothesis shrinks towards the front.
+"""
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from cases.case import LOSS_TERMS, MASKS, REGIMES, TOP_P, KernelCase, WrapperCase
+
+TP_SIZES = (1, 2, 4)
+SEEDS = st.integers(0, 2**31 - 1)
+COEFS = (None, 0.0, -0.0, 1e-8, -0.01, 0.5, 1e3)  # absent, zero, signed zero, tiny, negative, large
+TEMPERATURES = (None, 1.0, 0.7, 1.3)
+
+
+def _chunk(draw, rows: int) -> int:
+    """-1, 1, a divisor and a non-divisor of the row count, and more than the row count."""
+    divisors = [d for d in range(2, rows) if rows % d == 0]
+    non_divisors = [d for d in range(2, rows) if rows % d]
+    options = [-1, 1, rows + 3]
+    if divisors:
+        options.append(draw(st.sampled_from(divisors)))
+    if non_divisors:
+        options.append(draw(st.sampled_from(non_divisors)))
+    return draw(st.sampled_from(options))
+
+
+@st.composite
+def kernel_cases(draw, tp=st.sampled_from(TP_SIZES), dtype=st.sampled_from(("fp32", "bf16", "fp16")),
+                 masked: bool | None = None, entropy: bool = True, keep_mask: bool = True) -> KernelCase:
+    """Level-1 cases. `entropy`/`keep_mask` False restrict to what a target can do."""
+    T = draw(st.one_of(st.sampled_from((1, 2, 3, 5, 7, 11, 13, 0)), st.integers(0, 24)))
+    v_local = draw(st.one_of(st.sampled_from((4, 1, 2, 3, 5, 7, 13)), st.integers(1, 32)))
+    mask_options = MASKS if masked is None else (MASKS[1:] if masked else MASKS[:1])
+    if not keep_mask:
+        mask_options = MASKS[:1]
+    with_entropy = entropy and draw(st.booleans())
+    return KernelCase(
+        tp=draw(tp), T=T, v_local=v_local, dtype=draw(dtype),
+        regime=draw(st.sampled_from(REGIMES)),
+        chunk_size=_chunk(draw, T),
+        mask=draw(st.sampled_from(mask_options)),
+        with_entropy=with_entropy,
+        with_entropy_grad=draw(st.booleans()),
+        requires_grad=draw(st.sampled_from((True, False))),
+        loss_terms=draw(st.sampled_from(LOSS_TERMS)) if with_entropy else "both",
+        seed=draw(SEEDS),
+    )
+
+
+@st.composite
+def wrapper_cases(draw, tp=st.sampled_from(TP_SIZES), top_p: bool | None = None,
+                  entropy: bool = True, keep_mask: bool = True) -> WrapperCase:
+    """Level-2 cases: packed batches of 1-4 samples with responses of 0..L-1 tokens."""
+    n = draw(st.integers(1, 4))
+    totals = tuple(draw(st.integers(1, 8)) for _ in range(n))
+    responses = tuple(draw(st.integers(0, L - 1)) for L in totals)
+    top_p_options = TOP_P if top_p is None else (TOP_P[1:] if top_p else TOP_P[:1])
+    if not keep_mask:
+        top_p_options = TOP_P[:1]
+    return WrapperCase(
+        tp=draw(tp), v_local=draw(st.one_of(st.sampled_from((4, 1, 3, 7)), st.integers(1, 16))),
+        total_lengths=totals, response_lengths=responses,
+        entropy_coef=draw(st.sampled_from(COEFS)),
+        temperature=draw(st.sampled_from(TEMPERATURES)),
+        chunk_size=_chunk(draw, sum(totals)),
+        with_entropy=entropy and draw(st.booleans()),
+        top_p=draw(st.sampled_from(top_p_options)),
+        regime=draw(st.sampled_from(("normal", "peaked", "ties", "huge"))),
+        seed=draw(SEEDS),
+    )
+
+
+LEVEL_STRATEGIES = {"kernel": kernel_cases, "wrapper": wrapper_cases}

@@ -1,0 +1,115 @@
+"""The check registry: one entry per check, each a small function of the evidence of one case.
+
+A check is added in one place: decorate a function in a module of this package with `@check(...)`.
+Its name is what `-k` selects, what findings carry, and what the mutation catalog expects.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from cases.case import Case
+from harness import oracle
+from harness.execute import RankResult
+from harness.targets import Target
+
+
+@dataclass
+class Evidence:
+    """What the ranks observed for one case (and for its twin, when the check asked for one)."""
+
+    case: Case
+    target: Target
+    ranks: list[RankResult]
+    twins: dict[str, "Evidence"] = field(default_factory=dict)
+    margins: list[tuple[str, float]] = field(default_factory=list)  # (what, max error / allowed)
+
+    @functools.cached_property
+    def expected(self) -> oracle.Expected:
+        return oracle.expected(self.case)
+
+    @property
+    def failed_ranks(self) -> list[RankResult]:
+        return [r for r in self.ranks if r.error]
+
+    def obs(self, key: str, rank: int = 0) -> Any:
+        return self.ranks[rank].obs.get(key)
+
+    def full_grad(self) -> torch.Tensor | None:
+        """The gradient assembled from every rank's shard, in rank order."""
+        shards = [r.obs.get("grad") for r in self.ranks]
+        if any(s is None for s in shards):
+            return None
+        return torch.cat(shards, dim=-1)
+
+    def compare(self, actual: Any, expected: torch.Tensor, atol: float, rtol: float, what: str) -> list[str]:
+        """`compare`, also recording how much of the tolerance was used (for the margin plots)."""
+        problems = compare(actual, expected, atol, rtol, what)
+        if isinstance(actual, torch.Tensor) and actual.numel() == expected.numel() and expected.numel():
+            a = actual.detach().to(torch.float64).reshape(expected.shape)
+            both = torch.isfinite(expected) & torch.isfinite(a)
+            if both.any():
+                allowed = atol + rtol * expected[both].abs()
+                ratio = ((a[both] - expected[both]).abs() / allowed.clamp_min(1e-300)).max().item()
+                self.margins.append((what, ratio))
+        return problems
+
+
+CheckFn = Callable[[Evidence], list[str]]
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    levels: tuple[str, ...]
+    fn: CheckFn
+    applies: Callable[[Case, Target], bool]
+    twin: Callable[[Case], Case | None] | None
+    needs_clean_run: bool
+    min_tp: int
+    doc: str
+
+    def applicable(self, case: Case, target: Target) -> bool:
+        return case.level in self.levels and case.tp >= self.min_tp and self.applies(case, target)
+
+
+REGISTRY: dict[str, Check] = {}
+
+
+def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
+          applies: Callable[[Case, Target], bool] = lambda c, t: True,
+          twin: Callable[[Case], Case | None] | None = None,
+          needs_clean_run: bool = True, min_tp: int = 1) -> Callable[[CheckFn], CheckFn]:
+    """Register a check. `needs_clean_run`: skip it when a rank raised (the crash is its own finding).
+    `twin`: a second case the check compares against (run on its own pool), or None to skip.
+    `min_tp`: the smallest TP size at which the check can fail at all."""
+    def register(fn: CheckFn) -> CheckFn:
+        if name in REGISTRY:
+            raise ValueError(f"check {name!r} registered twice")
+        REGISTRY[name] = Check(name, levels, fn, applies, twin, needs_clean_run, min_tp,
+                               (fn.__doc__ or "").strip())
+        return fn
+    return register
+
+
+def compare(actual: Any, expected: torch.Tensor, atol: float, rtol: float, what: str) -> list[str]:
+    """torch.testing.assert_close against float64 expectations, as a list of failure messages."""
+    if not isinstance(actual, torch.Tensor):
+        return [f"{what}: expected a tensor, got {type(actual).__name__}"]
+    try:
+        torch.testing.assert_close(actual.detach().to(torch.float64).reshape(expected.shape)
+                                   if actual.numel() == expected.numel() else actual.detach().to(torch.float64),
+                                   expected, atol=atol, rtol=rtol, check_dtype=False,
+                                   msg=lambda m: f"{what} (atol={atol:.3g}, rtol={rtol:.3g}): {m}")
+    except AssertionError as e:
+        return [str(e)]
+    return []
+
+
+def all_checks() -> dict[str, Check]:
+    from harness.checks import common, kernel, wrapper  # noqa: F401  (registration on import)
+
+    return REGISTRY

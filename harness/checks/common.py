@@ -1,0 +1,50 @@
+"""Checks that hold at both contract levels: it runs, it runs on empty input, every rank issues the
+same collectives, and the caller's inputs survive."""
+from __future__ import annotations
+
+from harness.checks import Evidence, check
+from harness.trace import fmt_event
+
+
+def _t(case) -> int:
+    return case.T
+
+
+def _errors(ev: Evidence) -> list[str]:
+    return [f"rank {r.rank} {r.error_kind}: {r.error}" for r in ev.failed_ranks]
+
+
+@check("crash", applies=lambda c, t: _t(c) > 0, needs_clean_run=False)
+def crash(ev: Evidence) -> list[str]:
+    """Every rank returns without raising, dying or hanging."""
+    return _errors(ev)
+
+
+@check("empty-input", levels=("kernel",), applies=lambda c, t: _t(c) == 0, needs_clean_run=False)
+def empty_input(ev: Evidence) -> list[str]:
+    """T == 0 returns empty outputs without error, at every TP size."""
+    problems = _errors(ev)
+    for r in ev.ranks:
+        for key in ("log_prob", "entropy"):
+            out = r.obs.get(key)
+            if out is not None and out.numel():
+                problems.append(f"rank {r.rank}: {key} has {out.numel()} elements for T == 0")
+    return problems
+
+
+@check("collectives", needs_clean_run=False, min_tp=2)
+def collectives(ev: Evidence) -> list[str]:
+    """Every rank issues the same sequence of collectives (op, group size, shape, dtype)."""
+    seqs = [r.trace for r in ev.ranks]
+    if all(s == seqs[0] for s in seqs):
+        return []
+    counts = ", ".join(f"rank {r} issued {len(s)}" for r, s in enumerate(seqs))
+    first = next(i for i in range(max(map(len, seqs))) if len({tuple(s[i:i + 1]) for s in seqs}) > 1)
+    detail = "; ".join(f"rank {r}: {fmt_event(s[first]) if first < len(s) else 'nothing'}" for r, s in enumerate(seqs))
+    return [f"ranks diverge: {counts}; first difference at collective #{first + 1}: {detail}"]
+
+
+@check("input-integrity")
+def input_integrity(ev: Evidence) -> list[str]:
+    """Inputs keep their values and version counters through forward and backward."""
+    return [f"rank {r.rank}: {p}" for r in ev.ranks for p in r.obs.get("integrity", [])]

@@ -1,0 +1,128 @@
+"""Level-1 checks of `calculate_log_probs_and_entropy` against the float64 oracle."""
+from __future__ import annotations
+
+import torch
+
+from cases.case import KernelCase
+from harness.checks import Evidence, check
+
+KERNEL = ("kernel",)
+
+
+def _nonempty(c: KernelCase, t) -> bool:
+    return c.T > 0
+
+
+@check("values", levels=KERNEL, applies=_nonempty)
+def values(ev: Evidence) -> list[str]:
+    """log-probs and entropy match the float64 oracle of the same input values, at float32 scale."""
+    exp = ev.expected
+    problems = []
+    for r in ev.ranks:
+        problems += ev.compare(r.obs.get("log_prob"), exp.log_prob, exp.value_atol, 0.0, f"rank {r.rank} log_prob")
+        if exp.entropy is not None and r.obs.get("entropy") is not None:
+            problems += ev.compare(r.obs["entropy"], exp.entropy, exp.value_atol, 0.0, f"rank {r.rank} entropy")
+    return problems
+
+
+@check("gradients", levels=KERNEL, applies=lambda c, t: c.T > 0 and c.has_backward)
+def gradients(ev: Evidence) -> list[str]:
+    """The local gradient is the local slice of the oracle's gradient of sum(w1*lp) + sum(w2*H)."""
+    grad = ev.full_grad()
+    if grad is None:
+        return ["no gradient reached the logits (log_prob is not differentiable)"]
+    exp = ev.expected
+    return ev.compare(grad, exp.grad, exp.grad_atol, exp.grad_rtol, "grad (all shards)")
+
+
+@check("grad-flags", levels=KERNEL)
+def grad_flags(ev: Evidence) -> list[str]:
+    """entropy.requires_grad == with_entropy and with_entropy_grad and logits.requires_grad;
+    entropy is None exactly when not requested; log_prob follows the logits."""
+    c: KernelCase = ev.case
+    problems = []
+    for r in ev.ranks:
+        lp, ent = r.obs.get("log_prob_meta"), r.obs.get("entropy_meta")
+        if lp and lp["requires_grad"] != c.requires_grad:
+            problems.append(f"rank {r.rank}: log_prob.requires_grad={lp['requires_grad']}, "
+                            f"logits.requires_grad={c.requires_grad}")
+        if c.with_entropy and ent is None:
+            problems.append(f"rank {r.rank}: with_entropy=True but entropy is None")
+        if not c.with_entropy and ent is not None:
+            problems.append(f"rank {r.rank}: with_entropy=False but an entropy tensor was returned")
+        if ent is not None and c.with_entropy and ent["requires_grad"] != c.expects_entropy_grad:
+            problems.append(
+                f"rank {r.rank}: entropy.requires_grad={ent['requires_grad']}, expected {c.expects_entropy_grad} "
+                f"(with_entropy_grad={c.with_entropy_grad}, logits.requires_grad={c.requires_grad})")
+    return problems
+
+
+@check("shapes-dtypes", levels=KERNEL)
+def shapes_dtypes(ev: Evidence) -> list[str]:
+    """T elements out, float32 out, the gradient in the logits' dtype and shape."""
+    c: KernelCase = ev.case
+    want_grad_dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[c.dtype]
+    problems = []
+    for r in ev.ranks:
+        for key in ("log_prob_meta", "entropy_meta"):
+            meta = r.obs.get(key)
+            if meta is None:
+                continue
+            numel = 1
+            for d in meta["shape"]:
+                numel *= d
+            if numel != c.T or len(meta["shape"]) > 2 or (len(meta["shape"]) == 2 and meta["shape"][1] != 1):
+                problems.append(f"rank {r.rank}: {key[:-5]} shape {list(meta['shape'])}, expected [{c.T}] or [{c.T}, 1]")
+            if meta["dtype"] != "float32":
+                problems.append(f"rank {r.rank}: {key[:-5]} dtype {meta['dtype']}, expected float32")
+        g = r.obs.get("grad_meta")
+        if g is not None:
+            if g["dtype"] != want_grad_dtype:
+                problems.append(f"rank {r.rank}: grad dtype {g['dtype']}, expected {want_grad_dtype} (the logits' dtype)")
+            if tuple(g["shape"]) != (c.T, c.v_local):
+                problems.append(f"rank {r.rank}: grad shape {list(g['shape'])}, expected {[c.T, c.v_local]}")
+    return problems
+
+
+@check("finite", levels=KERNEL, applies=_nonempty)
+def finite(ev: Evidence) -> list[str]:
+    """No NaN or inf where the oracle is finite (outputs and gradient)."""
+    exp = ev.expected
+    pairs = [("log_prob", ev.obs("log_prob"), exp.log_prob), ("entropy", ev.obs("entropy"), exp.entropy),
+             ("grad", ev.full_grad(), exp.grad)]
+    problems = []
+    for name, got, want in pairs:
+        if not isinstance(got, torch.Tensor) or want is None or got.numel() != want.numel():
+            continue
+        bad = torch.isfinite(want) & ~torch.isfinite(got.reshape(want.shape).to(torch.float64))
+        if bad.any():
+            idx = bad.nonzero()[0].tolist()
+            problems.append(f"{name}: {int(bad.sum())} non-finite entries where the oracle is finite, first at {idx}")
+    return problems
+
+
+def _outputs_match(ev: Evidence, other: Evidence, what: str) -> list[str]:
+    exp = ev.expected
+    problems = []
+    for key in ("log_prob", "entropy"):
+        a, b = ev.obs(key), other.obs(key)
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            problems += ev.compare(a, b.to(torch.float64).reshape(a.shape), 2 * exp.value_atol, 0.0, f"{key} vs {what}")
+    ga, gb = ev.full_grad(), other.full_grad()
+    if ga is not None and gb is not None:
+        problems += ev.compare(ga, gb.to(torch.float64), 2 * exp.grad_atol, exp.grad_rtol, f"grad vs {what}")
+    return problems
+
+
+@check("chunk-invariance", levels=KERNEL,
+       twin=lambda c: c.replace(chunk_size=-1) if c.chunk_size > 0 and c.T > 0 else None)
+def chunk_invariance(ev: Evidence) -> list[str]:
+    """The same case unchunked gives the same answer within the tolerance."""
+    return _outputs_match(ev, ev.twins["chunk-invariance"], "chunk_size=-1")
+
+
+@check("tp-invariance", levels=KERNEL, min_tp=2,
+       twin=lambda c: c.replace(tp=1, v_local=c.vocab) if c.T > 0 else None)
+def tp_invariance(ev: Evidence) -> list[str]:
+    """The same global case at TP 1 gives the same answer within the tolerance."""
+    return _outputs_match(ev, ev.twins["tp-invariance"], "TP 1")

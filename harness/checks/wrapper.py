@@ -1,0 +1,109 @@
+"""Level-2 checks of `get_log_probs_and_entropy`, the loss-side wrapper of slime PR #2153."""
+from __future__ import annotations
+
+from cases.case import WrapperCase
+from harness.checks import Evidence, check
+
+WRAPPER = ("wrapper",)
+
+
+def _per_sample(ev: Evidence, key: str, what: str) -> list[str]:
+    exp = ev.expected
+    want = exp.log_prob if key == "log_probs" else exp.entropy
+    problems = []
+    for r in ev.ranks:
+        got = r.obs.get(key)
+        if want is None or got is None or len(got) != len(want):
+            continue  # counted by wrapper-extraction
+        for i, (g, w) in enumerate(zip(got, want)):
+            problems += ev.compare(g, w, exp.value_atol, 0.0, f"rank {r.rank} sample {i} {what}")
+    return problems
+
+
+@check("wrapper-extraction", levels=WRAPPER)
+def extraction(ev: Evidence) -> list[str]:
+    """One float32 tensor of R_i response values per sample, for log-probs and (when asked) entropy."""
+    c: WrapperCase = ev.case
+    problems = []
+    for r in ev.ranks:
+        for key in ("log_probs", "entropy"):
+            metas = r.obs.get(f"{key}_meta")
+            if metas is None:
+                if key == "entropy" and c.with_entropy:
+                    problems.append(f"rank {r.rank}: with_entropy=True but res has no 'entropy'")
+                continue
+            if len(metas) != len(c.response_lengths):
+                problems.append(f"rank {r.rank}: {len(metas)} {key} entries for {len(c.response_lengths)} samples")
+                continue
+            for i, (m, R) in enumerate(zip(metas, c.response_lengths)):
+                n = 1
+                for d in m["shape"]:
+                    n *= d
+                if n != R:
+                    problems.append(f"rank {r.rank}: {key}[{i}] has shape {list(m['shape'])}, response length is {R}")
+                if m["dtype"] != "float32":
+                    problems.append(f"rank {r.rank}: {key}[{i}] dtype {m['dtype']}, expected float32")
+    problems += _per_sample(ev, "log_probs", "log-probs (shifted targets, response rows)")
+    return problems
+
+
+@check("entropy-coef-rule", levels=WRAPPER, applies=lambda c, t: c.with_entropy)
+def entropy_coef_rule(ev: Evidence) -> list[str]:
+    """slime PR #2153: the wrapper's entropy is differentiable exactly when entropy_coef != 0
+    (absent and -0.0 are zero; a negative coefficient is a coefficient), whoever calls it."""
+    c: WrapperCase = ev.case
+    coef = "absent" if c.entropy_coef is None else repr(c.entropy_coef)
+    problems = []
+    for r in ev.ranks:
+        for i, m in enumerate(r.obs.get("entropy_meta") or []):
+            if m["requires_grad"] != c.expects_entropy_grad:
+                problems.append(f"rank {r.rank}: entropy[{i}].requires_grad={m['requires_grad']} with entropy_coef={coef}; "
+                                f"expected {c.expects_entropy_grad}")
+                break
+    return problems
+
+
+@check("wrapper-entropy", levels=WRAPPER, applies=lambda c, t: c.with_entropy and t.supports("entropy"))
+def wrapper_entropy(ev: Evidence) -> list[str]:
+    """Per-sample entropy of the unmasked, temperature-scaled softmax on the response rows."""
+    return _per_sample(ev, "entropy", "entropy")
+
+
+@check("temperature", levels=WRAPPER, applies=lambda c, t: c.temperature not in (None, 1.0))
+def temperature(ev: Evidence) -> list[str]:
+    """The logits are divided by args.rollout_temperature before log-probs and entropy."""
+    return _per_sample(ev, "log_probs", "log-probs at temperature") + _per_sample(ev, "entropy", "entropy at temperature")
+
+
+@check("top-p-replay", levels=WRAPPER, applies=lambda c, t: c.top_p != "none")
+def top_p_replay(ev: Evidence) -> list[str]:
+    """The recorded nucleus masks the log-probs only; rows without one stay unmasked; entropy unmasked."""
+    return _per_sample(ev, "log_probs", "log-probs under top-p replay") + _per_sample(ev, "entropy", "entropy (never masked)")
+
+
+@check("wrapper-gradients", levels=WRAPPER, applies=lambda c, t: sum(c.response_lengths) > 0)
+def wrapper_gradients(ev: Evidence) -> list[str]:
+    """Gradient w.r.t. the raw logits shard, including the entropy term exactly when entropy_coef != 0."""
+    grad = ev.full_grad()
+    if grad is None:
+        return ["no gradient reached the logits"]
+    exp = ev.expected
+    return ev.compare(grad, exp.grad, exp.grad_atol, exp.grad_rtol, "grad (all shards)")
+
+
+@check("chunk-size-honoured", levels=WRAPPER,
+       applies=lambda c, t: c.chunk_size > 0 and c.top_p == "none" and t.kernel is not None)
+def chunk_size_honoured(ev: Evidence) -> list[str]:
+    """args.log_probs_chunk_size reaches the kernel: where the target kernel's collectives depend on
+    the chunk size, the wrapper's forward issues the chunked kernel's sequence, not the unchunked one."""
+    problems = []
+    for r in ev.ranks:
+        traces = r.obs.get("kernel_traces")
+        if not traces:
+            continue
+        chunked, whole = traces[ev.case.chunk_size], traces[-1]
+        got = r.trace[: r.obs.get("n_forward_collectives", len(r.trace))]
+        if chunked != whole and got == whole:
+            problems.append(f"rank {r.rank}: the wrapper issued the unchunked kernel's {len(whole)} collectives, "
+                            f"not the {len(chunked)} of chunk_size={ev.case.chunk_size}: log_probs_chunk_size ignored")
+    return problems

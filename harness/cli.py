@@ -1,0 +1,189 @@
+"""`python -m harness`: check a target, re-run one case, and (in later subcommands) more.
+
+Exit codes: 0 no findings, 1 findings, 2 usage, target or infrastructure error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cases.case import parse_case
+from cases.profiles import DEFAULT_PROFILE, PROFILES
+from harness.pool import PoolStartError
+from harness.runner import Finding, Runner
+from harness.targets import DEFAULT_TARGET, TargetError
+
+
+class UsageError(Exception):
+    pass
+
+
+def tp_list(text: str) -> list[int]:
+    try:
+        sizes = [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tp takes comma-separated positive integers, got {text!r}") from None
+    if not sizes or any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"--tp sizes must be positive integers, got {text!r}")
+    return sorted(set(sizes))
+
+
+def seed_value(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seed takes a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--seed must be non-negative, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _progress(quiet: bool):
+    start = time.perf_counter()
+
+    def say(msg: str) -> None:
+        if not quiet:
+            print(f"[{time.perf_counter() - start:6.1f}s] {msg}", file=sys.stderr, flush=True)
+    return say
+
+
+def add_target_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET, help="module (or mutant:NAME) under test")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: gloo pools, fork; cuda: NCCL pools, spawn")
+    p.add_argument("--collective-timeout", type=positive_float, default=20.0, metavar="S",
+                   help="gloo/NCCL timeout of every collective; a case's deadline is twice this plus 10 s")
+
+
+def summary_table(runner: Runner, findings: list[Finding]) -> str:
+    levels = [lvl for lvl in ("kernel", "wrapper") if lvl in runner.target.levels]
+    rows = [("check", *[f"{lvl} (checked/failed)" for lvl in levels], "max err/tol")]
+    for name in runner.checks:
+        cells, margin = [], 0.0
+        for lvl in levels:
+            st = runner.stats.get((name, lvl))
+            cells.append("-" if st is None else f"{st.applied}/{st.failed}")
+            if st and st.margins:
+                margin = max(margin, max(st.margins))
+        if all(c == "-" for c in cells):
+            continue
+        rows.append((name, *cells, f"{margin:.3f}" if margin else "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def result_json(runner: Runner, findings: list[Finding], elapsed: float, extra: dict[str, Any]) -> dict[str, Any]:
+    checks: dict[str, Any] = {}
+    for (name, lvl), st in runner.stats.items():
+        checks.setdefault(name, {})[lvl] = {"applied": st.applied, "failed": st.failed,
+                                             "max_margin": max(st.margins, default=None), "margins": st.margins}
+    return {
+        "target": runner.target.spec, "levels": list(runner.target.levels),
+        "capabilities": runner.target.capabilities, "cases_run": runner.cases_run,
+        "elapsed_s": round(elapsed, 3), "case_seconds": round(runner.run_seconds, 3),
+        "cases_per_s": round(runner.cases_run / runner.run_seconds, 2) if runner.run_seconds else None,
+        "findings": [f.to_json() for f in findings], "checks": checks, **extra,
+    }
+
+
+def cmd_check(ns: argparse.Namespace) -> int:
+    from harness.explore import explore, run_corpus
+
+    say = _progress(ns.quiet)
+    profile = PROFILES[ns.profile]
+    start = time.perf_counter()
+    runner = Runner(ns.target, ns.device, ns.collective_timeout)
+    try:
+        say(f"target {runner.target.spec}: levels {', '.join(runner.target.levels)}; TP {ns.tp}; profile {profile.name}")
+        for feature, ok in sorted(runner.target.capabilities.items()):
+            if not ok:
+                say(f"target provides no {feature}: cases needing it are not drawn")
+        findings = run_corpus(runner, ns.tp, say)
+        counts = {"kernel": profile.kernel_cases, "wrapper": profile.wrapper_cases}
+        for level in runner.target.levels:
+            n = counts[level] * len(ns.tp)
+            say(f"{level}: {n} randomized cases over TP {ns.tp}")
+            findings += explore(runner, level, ns.tp, n, ns.seed, shrink=not ns.no_shrink, progress=say)
+    finally:
+        runner.close()
+    elapsed = time.perf_counter() - start
+    print(summary_table(runner, findings))
+    rate = runner.cases_run / runner.run_seconds if runner.run_seconds else 0.0
+    print(f"\n{runner.cases_run} cases in {elapsed:.1f}s ({rate:.1f} cases/s excluding pool start-up), "
+          f"{len(findings)} finding(s)")
+    for f in findings:
+        print(f"\nFINDING [{f.check}] ({f.level}) {f.case}\n  {f.message[:1500]}\n  repro: {f.repro}")
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(result_json(runner, findings, elapsed, {
+            "profile": profile.name, "seed": ns.seed, "tp": ns.tp}), indent=1))
+    return 1 if findings else 0
+
+
+def cmd_repro(ns: argparse.Namespace) -> int:
+    try:
+        case = parse_case(ns.case)
+    except (ValueError, TypeError) as e:
+        raise UsageError(str(e)) from None
+    runner = Runner(ns.target, ns.device, ns.collective_timeout)
+    try:
+        _, findings = runner.check(case)
+    finally:
+        runner.close()
+    print(case.spec())
+    for f in findings:
+        print(f"FINDING [{f.check}] {f.message}")
+    print(f"{len(findings)} finding(s)")
+    return 1 if findings else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m harness", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("check", help="run the randomized conformance checks against a target")
+    add_target_options(check)
+    check.add_argument("--tp", type=tp_list, default=[1, 2, 4], help="TP sizes, e.g. 1,2,4")
+    check.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE,
+                       help="how many randomized cases (smoke: seconds, ci: about a minute)")
+    check.add_argument("--seed", type=seed_value, default=0)
+    check.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    check.add_argument("--no-shrink", action="store_true", help="report failures without shrinking them")
+    check.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    check.set_defaults(func=cmd_check)
+    repro = sub.add_parser("repro", help="re-run exactly one case (as printed in a finding)")
+    add_target_options(repro)
+    repro.add_argument("case", help="case spec, e.g. 'kernel:tp=2,T=5,v_local=4,...'")
+    repro.set_defaults(func=cmd_repro)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)  # exits 2 on usage errors, with argparse's message
+    try:
+        return ns.func(ns)
+    except (TargetError, UsageError, PoolStartError) as e:
+        print(f"harness: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("harness: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The shipped conformance suite: `pytest --pyargs harness.conformance --target MODULE`."""

@@ -1,0 +1,76 @@
+"""Every registered check, against --target, over randomized cases drawn by Hypothesis.
+
+One test id per check x level x TP size x configuration family, e.g.
+`test_check[values-kernel-tp2-bf16-masked]`, so `pytest -k 'tp2 and gradients'` selects.
+Cases of one family are drawn identically for every check (derandomized profiles), and the runner
+caches each distributed run, so a case runs once however many checks read it.
+"""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, seed as hyp_seed, settings
+from hypothesis import strategies as st
+
+from cases.strategies import kernel_cases, wrapper_cases
+from harness.checks import all_checks
+from harness.targets import TargetError, load_target
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+def _families(level: str, tps: list[int]) -> list[tuple[str, dict]]:
+    if level == "kernel":
+        return [(f"tp{tp}-{dt}-{'masked' if m else 'unmasked'}", dict(tp=tp, dtype=dt, masked=m))
+                for tp in tps for dt in DTYPES for m in (False, True)]
+    return [(f"tp{tp}", dict(tp=tp)) for tp in tps]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "family" not in metafunc.fixturenames:
+        return
+    config = metafunc.config
+    try:
+        target = load_target(config.getoption("--target"))
+    except TargetError as e:
+        raise pytest.UsageError(f"harness: error: {e}") from None
+    params, ids = [], []
+    for name, chk in all_checks().items():
+        for level in chk.levels:
+            if level not in target.levels:
+                continue
+            for fam_id, fam in _families(level, config.harness_tp):
+                if fam["tp"] < chk.min_tp:
+                    continue
+                params.append((name, level, fam))
+                ids.append(f"{name}-{level}-{fam_id}")
+    metafunc.parametrize(("check_name", "level", "family"), params, ids=ids)
+
+
+def _strategy(runner, level: str, family: dict) -> st.SearchStrategy:
+    t = runner.target
+    caps = dict(entropy=t.supports("entropy"), keep_mask=t.supports("keep_mask"))
+    if level == "kernel":
+        return kernel_cases(tp=st.just(family["tp"]), dtype=st.just(family["dtype"]), masked=family["masked"], **caps)
+    return wrapper_cases(tp=st.just(family["tp"]), **caps)
+
+
+@pytest.mark.distributed
+def test_check(harness_runner, request, check_name: str, level: str, family: dict) -> None:
+    runner = harness_runner
+    chk = runner.checks[check_name]
+    applied = []
+
+    @settings(max_examples=request.config.harness_profile.pytest_examples)
+    @given(st.data())
+    def run(data):
+        case = data.draw(_strategy(runner, level, family).filter(lambda c: chk.applicable(c, runner.target)),
+                         label="case")
+        _, findings = runner.check(case, only={check_name})
+        applied.append(case)
+        if findings:
+            f = findings[0]
+            raise AssertionError(f"[{f.check}] {f.message}\nrepro: {f.repro}")
+
+    seed = request.config.getoption("--seed")
+    (hyp_seed(seed)(run) if seed is not None else run)()
+    assert applied, f"{check_name} never applied to the {level} family {family}"

@@ -1,0 +1,135 @@
+"""Runs cases through the worker pools and turns what the ranks observed into findings.
+
+case -> pool (every rank) -> RankResults -> Evidence -> checks (against the oracle) -> findings
+"""
+from __future__ import annotations
+
+import shlex
+import time
+from collections import OrderedDict, defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from cases.case import Case
+from harness.checks import Check, Evidence, all_checks
+from harness.execute import RankResult, execute
+from harness.pool import RankContext, WorkerPool
+from harness.targets import Target, load_target
+
+JOB = "harness.runner:case_job"
+CACHE_SIZE = 4096
+
+
+def case_job(ctx: RankContext, case: Case, target_spec: str) -> RankResult:
+    """Worker-side entry: the target is resolved once per worker process."""
+    return execute(case, load_target(target_spec), ctx.rank, ctx.device)
+
+
+@dataclass
+class Finding:
+    check: str
+    level: str
+    case: str
+    message: str
+    repro: str
+    ranks: list[int] = field(default_factory=list)
+    shrunk: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def repro_command(target: str, case: Case) -> str:
+    return f"python -m harness repro --target {shlex.quote(target)} {shlex.quote(case.spec())}"
+
+
+def _needs_rebuild(results: list[RankResult]) -> bool:
+    """A rank that raised alone, or ranks whose collectives diverged, may leave the group with
+    unmatched operations in flight: start the next case on a fresh group."""
+    errors = [r for r in results if r.error]
+    if not errors:
+        return False
+    return len(errors) < len(results) or any(r.trace != results[0].trace for r in results)
+
+
+@dataclass
+class CheckStats:
+    applied: int = 0
+    failed: int = 0
+    margins: list[float] = field(default_factory=list)  # max error / tolerance per case
+
+
+class Runner:
+    """Owns one persistent pool per TP size for one target; reusable for any number of cases."""
+
+    def __init__(self, target_spec: str, device: str = "cpu", collective_timeout_s: float = 20.0,
+                 checks: dict[str, Check] | None = None, pools: dict[int, WorkerPool] | None = None):
+        self.target: Target = load_target(target_spec)
+        self.device = device
+        self.collective_timeout_s = collective_timeout_s
+        self.checks = checks if checks is not None else all_checks()
+        self.pools: dict[int, WorkerPool] = pools if pools is not None else {}
+        self._owns_pools = pools is None
+        self.cases_run = 0
+        self.run_seconds = 0.0
+        self.stats: dict[tuple[str, str], CheckStats] = defaultdict(CheckStats)
+        self._cache: OrderedDict[Case, Evidence] = OrderedDict()
+
+    def pool(self, tp: int) -> WorkerPool:
+        if tp not in self.pools:
+            self.pools[tp] = WorkerPool(tp, self.device, self.collective_timeout_s)
+        return self.pools[tp]
+
+    def execute(self, case: Case) -> Evidence:
+        """Run a case on every rank of its pool. Results are cached per case: checks that share
+        draws (pytest ids of one group, twins) share one distributed run."""
+        if case in self._cache:
+            self._cache.move_to_end(case)
+            return self._cache[case]
+        pool = self.pool(case.tp)
+        start = time.perf_counter()
+        results = pool.run(JOB, case, self.target.spec)
+        self.run_seconds += time.perf_counter() - start
+        self.cases_run += 1
+        if _needs_rebuild(results) and pool.procs:
+            pool.restart()
+        self._cache[case] = ev = Evidence(case, self.target, results)
+        if len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return ev
+
+    def check(self, case: Case, only: set[str] | None = None) -> tuple[Evidence, list[Finding]]:
+        """Run one case (and the twins its checks ask for); evaluate every applicable check."""
+        ev = self.execute(case)
+        ev = Evidence(case, self.target, ev.ranks)  # fresh twins and margins for this evaluation
+        findings = []
+        for chk in self.checks.values():
+            if (only and chk.name not in only) or not chk.applicable(case, self.target):
+                continue
+            if chk.needs_clean_run and ev.failed_ranks:
+                continue
+            if chk.twin is not None:
+                twin_case = chk.twin(case)
+                if twin_case is None:
+                    continue
+                twin = self.execute(twin_case)
+                if twin.failed_ranks:
+                    continue  # the twin's own crash is reported when it runs as a case
+                ev.twins[chk.name] = twin
+            first = len(ev.margins)
+            problems = chk.fn(ev)
+            stats = self.stats[(chk.name, case.level)]
+            stats.applied += 1
+            stats.margins.extend(m for _, m in ev.margins[first:] if m == m)
+            if problems:
+                stats.failed += 1
+                findings.append(Finding(chk.name, case.level, case.spec(), "; ".join(problems)[:4000],
+                                        repro_command(self.target.spec, case),
+                                        ranks=sorted({r.rank for r in ev.failed_ranks})))
+        return ev, findings
+
+    def close(self) -> None:
+        if self._owns_pools:
+            for pool in self.pools.values():
+                pool.close()
+            self.pools.clear()

@@ -1,0 +1,372 @@
+"""Built-in fused vocab-parallel log-prob / entropy routine (the harness's reference target).
+
+Written from ``CONTRACT.md`` (Level 1 kernel, Level 2 wrapper).  The algorithm lives in
+:class:`FusedLogProbEntropy` and is split into small *step* methods, one concern each, so that a
+mutation catalog can build a defective variant by subclassing and overriding exactly one step.
+The autograd Function below receives the routine instance as a non-tensor argument and calls its
+steps in forward and backward; it holds no algorithm of its own.
+
+Forward, per row chunk ``[s, e)`` (all arithmetic float32):
+
+* ``m``   = row max, all-reduce MAX                              (stat ``"max"``)
+* ``S``   = sum exp(x - m), all-reduce SUM, ``lse = m + log S``  (stat ``"sumexp"``)
+* ``x_t`` = target logit from the owning shard, all-reduce SUM    (stat ``"target_logit"``)
+* masked: target restored, masked max / sumexp                    (``"masked_max"``, ``"masked_sumexp"``)
+* ``log_prob = x_t - lse_(masked)``
+* entropy ``= log S - sum(e (x - m)) / S``, all-reduce SUM       (stat ``"entropy_term"``)
+
+Saved for backward (only when the logits require grad): one ``[T, V_local]`` float32 buffer ``q``
+(the masked softmax), the targets and, when the entropy is differentiable, the caller's logits
+themselves plus the O(T) vectors ``lse`` and ``entropy``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "FusedLogProbEntropy",
+    "ROUTINE",
+    "calculate_log_probs_and_entropy",
+    "get_log_probs_and_entropy",
+]
+
+
+class _FusedFunction(torch.autograd.Function):
+    """Thin autograd shell: every step is a method of the routine passed in."""
+
+    @staticmethod
+    def forward(ctx, logits, tokens, keep_mask, routine, tp_group, with_entropy, chunk_size,
+                needs_grad, entropy_grad):
+        return routine.forward(ctx, logits, tokens, keep_mask, tp_group, with_entropy,
+                               chunk_size, needs_grad, entropy_grad)
+
+    @staticmethod
+    def backward(ctx, grad_log_prob, grad_entropy):
+        grad_logits = ctx.routine.backward(ctx, grad_log_prob, grad_entropy)
+        return grad_logits, None, None, None, None, None, None, None, None
+
+
+class FusedLogProbEntropy:
+    """Fused vocab-parallel log-prob and entropy, one overridable method per concern."""
+
+    function = _FusedFunction
+
+    # ------------------------------------------------------------------ collectives / sharding
+    def group_info(self, tp_group) -> tuple[Any, int, int]:
+        """(group, world size, rank) of the TP group; ``None`` group = default or single rank."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, 1, 0
+        return tp_group, dist.get_world_size(tp_group), dist.get_rank(tp_group)
+
+    def all_reduce(self, tensor: torch.Tensor, op, group, stat: str) -> torch.Tensor:
+        """Every collective goes through here; ``stat`` names the reduced statistic."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+            return tensor
+        dist.all_reduce(tensor, op=op, group=group)
+        return tensor
+
+    def shard_start(self, rank: int, v_local: int) -> int:
+        """First global vocab id owned by ``rank``."""
+        return rank * v_local
+
+    def owned(self, local_ids: torch.Tensor, v_local: int) -> torch.Tensor:
+        """Which (shard-local) ids fall inside this shard."""
+        return (local_ids >= 0) & (local_ids < v_local)
+
+    # ------------------------------------------------------------------ chunking / dtypes
+    def chunk_bounds(self, num_rows: int, chunk_size: int) -> list[tuple[int, int]]:
+        """Row ranges ``[s, e)`` covering ``num_rows``; no chunk at all when there are no rows."""
+        if num_rows <= 0:
+            return []
+        step = num_rows if chunk_size is None or chunk_size <= 0 else int(chunk_size)
+        return [(s, min(s + step, num_rows)) for s in range(0, num_rows, step)]
+
+    def compute_dtype(self, logits: torch.Tensor) -> torch.dtype:
+        """The arithmetic dtype: float32 whatever the input dtype."""
+        return torch.float32
+
+    def upcast(self, chunk: torch.Tensor) -> torch.Tensor:
+        """Chunk in the compute dtype (may alias the caller's tensor: never edit it in place)."""
+        return chunk.to(self.compute_dtype(chunk))
+
+    def concat(self, parts: Sequence[torch.Tensor], empty_like: torch.Tensor) -> torch.Tensor:
+        """Join per-chunk outputs; ``empty_like`` is returned when there were no chunks."""
+        return torch.cat(list(parts)) if len(parts) else empty_like
+
+    def cast_grad(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The gradient in the caller's logits dtype."""
+        return grad.to(dtype)
+
+    # ------------------------------------------------------------------ forward statistics
+    def row_max(self, x: torch.Tensor, group, stat: str) -> torch.Tensor:
+        """Global row max (finite stand-in 0 for an all ``-inf`` row)."""
+        m = x.max(dim=-1).values
+        m = self.all_reduce(m, dist.ReduceOp.MAX, group, stat)
+        return torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+
+    def sum_exp(self, x: torch.Tensor, m: torch.Tensor, group, stat: str):
+        """(exp(x - m), global sum of it over the vocab)."""
+        e = torch.exp(x - m.unsqueeze(-1))
+        s = self.all_reduce(e.sum(dim=-1), dist.ReduceOp.SUM, group, stat)
+        return e, s
+
+    def target_logit(self, x: torch.Tensor, local_ids: torch.Tensor, own: torch.Tensor,
+                     group) -> torch.Tensor:
+        """x[target] from the owning shard, 0 elsewhere, summed over the group."""
+        v_local = x.shape[-1]
+        idx = local_ids.clamp(0, max(v_local - 1, 0)).unsqueeze(-1)
+        picked = x.gather(-1, idx).squeeze(-1)
+        val = torch.where(own, picked, torch.zeros_like(picked))
+        return self.all_reduce(val, dist.ReduceOp.SUM, group, "target_logit")
+
+    def restore_target(self, keep_local: torch.Tensor, rows: torch.Tensor,
+                       cols: torch.Tensor) -> torch.Tensor:
+        """A copy of the keep mask with the target entries kept (the caller's mask is untouched)."""
+        keep = keep_local.clone()
+        keep[rows, cols] = True
+        return keep
+
+    def masked_logits(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Dropped entries set to -inf, out of place."""
+        return x.masked_fill(~keep, float("-inf"))
+
+    def entropy(self, x: torch.Tensor, e: torch.Tensor, m: torch.Tensor, s: torch.Tensor,
+                group) -> torch.Tensor:
+        """H = log S - sum(e (x - m)) / S, with p == 0 entries contributing 0."""
+        ex = torch.where(e > 0, e * (x - m.unsqueeze(-1)), torch.zeros_like(e))
+        t = self.all_reduce(ex.sum(dim=-1), dist.ReduceOp.SUM, group, "entropy_term")
+        return torch.log(s) - t / s
+
+    def softmax_into(self, out: Optional[torch.Tensor], e: torch.Tensor,
+                     s: torch.Tensor) -> None:
+        """Write e / S into the preallocated q rows (no-op when no gradient is needed)."""
+        if out is not None:
+            torch.div(e, s.unsqueeze(-1), out=out)
+
+    def entropy_differentiable(self, with_entropy: bool, with_entropy_grad: bool,
+                               requires_grad: bool) -> bool:
+        """The contract's rule for ``entropy.requires_grad``."""
+        return bool(with_entropy and with_entropy_grad and requires_grad)
+
+    # ------------------------------------------------------------------ backward terms
+    def logprob_grad(self, q: torch.Tensor, local_ids: torch.Tensor, own: torch.Tensor,
+                     w: torch.Tensor) -> torch.Tensor:
+        """w * (onehot_local - q) for one chunk."""
+        g = -w.unsqueeze(-1) * q
+        rows = own.nonzero(as_tuple=True)[0]
+        g[rows, local_ids[rows]] += w[rows]
+        return g
+
+    def recompute_p(self, x: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """The unmasked softmax of a chunk, from the logits and the saved lse."""
+        return torch.exp(x - lse.unsqueeze(-1))
+
+    def entropy_grad_term(self, p: torch.Tensor, log_p: torch.Tensor,
+                          entropy: torch.Tensor) -> torch.Tensor:
+        """dH/dx = -p (log p + H), 0 where p == 0."""
+        term = -p * (log_p + entropy.unsqueeze(-1))
+        return torch.where(p > 0, term, torch.zeros_like(term))
+
+    # ------------------------------------------------------------------ orchestration
+    def forward(self, ctx, logits, tokens, keep_mask, tp_group, with_entropy, chunk_size,
+                needs_grad, entropy_grad):
+        group, _world, rank = self.group_info(tp_group)
+        num_rows, v_local = logits.shape
+        start = self.shard_start(rank, v_local)
+        dev = logits.device
+        f32 = self.compute_dtype(logits)
+        q_buf = torch.empty(num_rows, v_local, dtype=f32, device=dev) if needs_grad else None
+        lps, ents, lses = [], [], []
+        for s, e in self.chunk_bounds(num_rows, chunk_size):
+            x = self.upcast(logits[s:e])
+            local = tokens[s:e] - start
+            own = self.owned(local, v_local)
+            m = self.row_max(x, group, "max")
+            ex, se = self.sum_exp(x, m, group, "sumexp")
+            lse = m + torch.log(se)
+            xt = self.target_logit(x, local, own, group)
+            q_rows = q_buf[s:e] if q_buf is not None else None
+            if keep_mask is None:
+                lps.append(xt - lse)
+                self.softmax_into(q_rows, ex, se)
+            else:
+                rows = own.nonzero(as_tuple=True)[0]
+                keep = self.restore_target(keep_mask[s:e], rows, local[rows])
+                xm = self.masked_logits(x, keep)
+                mm = self.row_max(xm, group, "masked_max")
+                exm, sem = self.sum_exp(xm, mm, group, "masked_sumexp")
+                lps.append(xt - (mm + torch.log(sem)))
+                self.softmax_into(q_rows, exm, sem)
+            if with_entropy:
+                ents.append(self.entropy(x, ex, m, se, group))
+            lses.append(lse)
+        empty = torch.empty(0, dtype=f32, device=dev)
+        log_prob = self.concat(lps, empty)
+        entropy = self.concat(ents, empty.clone()) if with_entropy else None
+
+        ctx.routine = self
+        ctx.saved_any = needs_grad
+        ctx.entropy_grad = bool(entropy_grad)
+        ctx.masked = keep_mask is not None
+        ctx.chunk_size = chunk_size
+        ctx.group = group
+        ctx.start = start
+        ctx.shape = (num_rows, v_local)
+        ctx.dtype = logits.dtype
+        if entropy is not None and not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        if needs_grad and entropy_grad:
+            ctx.save_for_backward(logits, tokens, q_buf, self.concat(lses, empty.clone()), entropy)
+        elif needs_grad:
+            ctx.save_for_backward(tokens, q_buf)
+        return log_prob, entropy
+
+    def backward(self, ctx, grad_log_prob, grad_entropy):
+        if not ctx.saved_any:
+            return None
+        if ctx.entropy_grad:
+            logits, tokens, q_buf, lse, ent = ctx.saved_tensors
+        else:
+            (tokens, q_buf), logits = ctx.saved_tensors, None
+        num_rows, v_local = ctx.shape
+        grad = torch.empty(num_rows, v_local, dtype=ctx.dtype, device=q_buf.device)
+        w1 = grad_log_prob.reshape(-1).to(q_buf.dtype)
+        for s, e in self.chunk_bounds(num_rows, ctx.chunk_size):
+            local = tokens[s:e] - ctx.start
+            own = self.owned(local, v_local)
+            g = self.logprob_grad(q_buf[s:e], local, own, w1[s:e])
+            if ctx.entropy_grad and grad_entropy is not None:
+                x = self.upcast(logits[s:e])
+                log_p = x - lse[s:e].unsqueeze(-1)
+                p = self.recompute_p(x, lse[s:e]) if ctx.masked else q_buf[s:e]
+                w2 = grad_entropy[s:e].to(q_buf.dtype).unsqueeze(-1)
+                g = g + w2 * self.entropy_grad_term(p, log_p, ent[s:e])
+            grad[s:e] = self.cast_grad(g, ctx.dtype)
+        return grad
+
+    # ------------------------------------------------------------------ Level 1 entry point
+    def calculate_log_probs_and_entropy(self, logits, tokens, tp_group, with_entropy=False,
+                                        chunk_size=-1, log_prob_keep_mask=None,
+                                        with_entropy_grad=True):
+        """Level 1 kernel: ``(log_prob [T] float32, entropy [T] float32 or None)``."""
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [T, V_local], got {tuple(logits.shape)}")
+        tokens = tokens.reshape(-1).to(device=logits.device, dtype=torch.long)
+        needs_grad = bool(logits.requires_grad and torch.is_grad_enabled())
+        entropy_grad = self.entropy_differentiable(with_entropy, with_entropy_grad, needs_grad)
+        if log_prob_keep_mask is not None:
+            log_prob_keep_mask = log_prob_keep_mask.to(device=logits.device, dtype=torch.bool)
+        return self.function.apply(logits, tokens, log_prob_keep_mask, self, tp_group,
+                                   bool(with_entropy), chunk_size, needs_grad, entropy_grad)
+
+    # ------------------------------------------------------------------ Level 2 wrapper steps
+    def entropy_grad_flag(self, with_entropy: bool, args) -> bool:
+        """The rule of slime PR #2153: differentiable entropy iff a non-zero coefficient."""
+        return bool(with_entropy and getattr(args, "entropy_coef", 0.0) != 0)
+
+    def temperature(self, args) -> float:
+        """Rollout temperature the logits are divided by (absent: 1.0)."""
+        t = getattr(args, "rollout_temperature", None)
+        return 1.0 if t is None else float(t)
+
+    def chunk_size(self, args) -> int:
+        """Row chunk size for the kernel (absent: -1, all rows at once)."""
+        c = getattr(args, "log_probs_chunk_size", None)
+        return -1 if c is None else int(c)
+
+    def tp_group(self):
+        """The Megatron TP group, or None when parallel_state is not initialised."""
+        if "megatron.core.parallel_state" not in sys.modules:
+            return None  # never imported, hence never initialised
+        from megatron.core import parallel_state as mpu
+
+        if not mpu.model_parallel_is_initialized():
+            return None
+        return mpu.get_tensor_model_parallel_group()
+
+    def shifted_tokens(self, unconcat_tokens, total_lengths, device) -> torch.Tensor:
+        """Per sample, row j predicts token j+1; the last row of a sample gets target 0."""
+        parts = []
+        for toks, length in zip(unconcat_tokens, total_lengths):
+            toks = torch.as_tensor(toks, device=device).reshape(-1).to(torch.long)
+            assert toks.numel() == int(length), "token count differs from total_lengths"
+            parts.append(torch.cat([toks[1:], toks.new_zeros(min(1, toks.numel()))]))
+        return self.concat(parts, torch.empty(0, dtype=torch.long, device=device))
+
+    def response_rows(self, offset: int, total_length: int, response_length: int) -> tuple[int, int]:
+        """Packed rows ``[a, b)`` predicting the response of one sample."""
+        a = offset + total_length - response_length - 1
+        if response_length > 0 and a < offset:
+            raise ValueError("response_length must be < total_length")
+        return a, a + response_length
+
+    def top_p_keep_mask(self, num_rows, v_local, rank, total_lengths, response_lengths,
+                        top_p_token_ids, top_p_token_offsets, device) -> Optional[torch.Tensor]:
+        """Local ``[T, V_local]`` keep mask for the log-prob softmax, or None if nothing is masked."""
+        if top_p_token_ids is None or top_p_token_offsets is None:
+            return None
+        start = self.shard_start(rank, v_local)
+        mask = None
+        offset = 0
+        for i, (length, resp) in enumerate(zip(total_lengths, response_lengths)):
+            a, _b = self.response_rows(offset, int(length), int(resp))
+            offset += int(length)
+            ids, offs = top_p_token_ids[i], top_p_token_offsets[i]
+            if ids is None or offs is None or int(resp) == 0:
+                continue
+            ids = torch.as_tensor(ids, device=device).reshape(-1).to(torch.long)
+            offs = torch.as_tensor(offs, device=device).reshape(-1).to(torch.long)
+            counts = offs[1:int(resp) + 1] - offs[:int(resp)]
+            rows = a + torch.arange(int(resp), device=device)
+            if not bool((counts > 0).any()):
+                continue
+            if mask is None:
+                mask = torch.ones(num_rows, v_local, dtype=torch.bool, device=device)
+            mask[rows[counts > 0]] = False
+            seg = ids[int(offs[0]):int(offs[int(resp)])]
+            id_rows = torch.repeat_interleave(rows, counts)
+            local = seg - start
+            own = self.owned(local, v_local)
+            mask[id_rows[own], local[own]] = True
+        return mask
+
+    def get_log_probs_and_entropy(self, logits, *, args, unconcat_tokens, total_lengths,
+                                  response_lengths, with_entropy=False, non_loss_data=True,
+                                  top_p_token_ids=None, top_p_token_offsets=None):
+        """Level 2 wrapper: ``(empty tensor, {"log_probs": [...], "entropy": [...]})``."""
+        assert logits.dim() == 3 and logits.size(0) == 1, "logits must be [1, T, V_local]"
+        x = logits.squeeze(0)
+        temp = self.temperature(args)
+        if temp != 1.0:
+            x = x / temp
+        tokens = self.shifted_tokens(unconcat_tokens, total_lengths, x.device)
+        group = self.tp_group()
+        _group, _world, rank = self.group_info(group)
+        keep = self.top_p_keep_mask(x.shape[0], x.shape[1], rank, total_lengths,
+                                    response_lengths, top_p_token_ids, top_p_token_offsets,
+                                    x.device)
+        log_prob, entropy = self.calculate_log_probs_and_entropy(
+            x, tokens, group, with_entropy=with_entropy, chunk_size=self.chunk_size(args),
+            log_prob_keep_mask=keep, with_entropy_grad=self.entropy_grad_flag(with_entropy, args))
+        log_prob = log_prob.reshape(-1)
+        res: dict[str, list[torch.Tensor]] = {"log_probs": []}
+        if with_entropy:
+            res["entropy"] = []
+        offset = 0
+        for length, resp in zip(total_lengths, response_lengths):
+            a, b = self.response_rows(offset, int(length), int(resp))
+            offset += int(length)
+            res["log_probs"].append(log_prob[a:b])
+            if with_entropy:
+                res["entropy"].append(entropy[a:b])
+        return torch.empty(0, device=logits.device), res
+
+
+ROUTINE = FusedLogProbEntropy()
+calculate_log_probs_and_entropy = ROUTINE.calculate_log_probs_and_entropy
+get_log_probs_and_entropy = ROUTINE.get_log_probs_and_entropy

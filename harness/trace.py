@@ -1,0 +1,87 @@
+"""Per-rank record of the collectives a target issues.
+
+Targets call `torch.distributed.<op>` at call time, so wrapping the module attributes sees every
+call, whichever way the target reaches the group. Installed once per worker, before any target is
+imported, so `from torch.distributed import all_reduce` in a target binds the wrapper too.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+TRACED_OPS = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+    "broadcast", "reduce", "all_to_all", "all_to_all_single", "barrier", "gather", "scatter",
+)
+
+Event = tuple[str, int, tuple[int, ...], str]  # op, group size, shape, dtype
+
+_events: list[Event] | None = None
+_installed = False
+
+
+def _describe(op: str, args: tuple, kwargs: dict) -> Event:
+    tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    if tensor is None:  # list-of-tensors forms (all_gather's output list first)
+        lst = next((a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)), None)
+        tensor = lst[0] if lst else None
+    group = next((a for a in (*args, *kwargs.values()) if isinstance(a, dist.ProcessGroup)), None)
+    size = dist.get_world_size(group) if dist.is_initialized() else 1
+    shape = tuple(tensor.shape) if tensor is not None else ()
+    dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else "-"
+    return (op, size, shape, dtype)
+
+
+def _wrap(op: str, fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def traced(*args: Any, **kwargs: Any):
+        if _events is not None:
+            # Recorded before the call: a rank that hangs inside still shows what it issued.
+            _events.append(_describe(op, args, kwargs))
+        return fn(*args, **kwargs)
+
+    traced.__harness_traced__ = True
+    return traced
+
+
+def install() -> None:
+    global _installed
+    if _installed:
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    for op in TRACED_OPS:
+        fn = getattr(dist, op, None)
+        if fn is None or getattr(fn, "__harness_traced__", False):
+            continue
+        wrapped = _wrap(op, fn)
+        setattr(dist, op, wrapped)
+        if getattr(c10d, op, None) is fn:
+            setattr(c10d, op, wrapped)
+    _installed = True
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Event]]:
+    global _events
+    outer, events = _events, []
+    _events = events
+    try:
+        yield events
+    finally:
+        _events = outer  # nested recordings keep their calls out of the outer trace
+
+
+def count() -> int:
+    """How many collectives the innermost recording holds so far."""
+    return len(_events) if _events is not None else 0
+
+
+def fmt_event(e: Event) -> str:
+    op, size, shape, dtype = e
+    return f"{op}(group={size}, shape={list(shape)}, {dtype})"

@@ -1,0 +1,26 @@
+"""Float64 reference oracle for fused tensor-parallel log-prob/entropy routines (CONTRACT.md)."""
+
+from .kernel import effective_keep_mask, entropy, log_probs, logits_grad
+from .wrapper import (
+    apply_temperature,
+    entropy_grad_rule,
+    response_rows,
+    shifted_targets,
+    top_p_keep_mask,
+    wrapper_logits_grad,
+    wrapper_outputs,
+)
+
+__all__ = [
+    "effective_keep_mask",
+    "log_probs",
+    "entropy",
+    "logits_grad",
+    "entropy_grad_rule",
+    "apply_temperature",
+    "shifted_targets",
+    "response_rows",
+    "top_p_keep_mask",
+    "wrapper_outputs",
+    "wrapper_logits_grad",
+]
