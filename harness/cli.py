@@ -5,6 +5,7 @@ Exit codes: 0 no findings, 1 findings, 2 usage, target or infrastructure error.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -102,6 +103,14 @@ def result_json(runner: Runner, findings: list[Finding], elapsed: float, extra: 
     }
 
 
+# Features that extend `check`, in order: each module has `add_arguments(parser)` and
+# `finish(ns, runner, result) -> list[Finding]`, called on the live runner after the checks, with
+# the JSON-ready result (findings added by earlier features included).
+CHECK_FEATURES: tuple[str, ...] = ()
+# Modules that add a subcommand: each has `register(subparsers)`.
+SUBCOMMANDS: tuple[str, ...] = ()
+
+
 def cmd_check(ns: argparse.Namespace) -> int:
     from harness.explore import explore, run_corpus
 
@@ -120,9 +129,16 @@ def cmd_check(ns: argparse.Namespace) -> int:
             n = counts[level] * len(ns.tp)
             say(f"{level}: {n} randomized cases over TP {ns.tp}")
             findings += explore(runner, level, ns.tp, n, ns.seed, shrink=not ns.no_shrink, progress=say)
+        result = result_json(runner, findings, time.perf_counter() - start,
+                             {"profile": profile.name, "seed": ns.seed, "tp": ns.tp})
+        for module in CHECK_FEATURES:
+            extra = importlib.import_module(module).finish(ns, runner, result)
+            findings += extra
+            result["findings"] += [f.to_json() for f in extra]
     finally:
         runner.close()
     elapsed = time.perf_counter() - start
+    result["elapsed_s"] = round(elapsed, 3)
     print(summary_table(runner, findings))
     rate = runner.cases_run / runner.run_seconds if runner.run_seconds else 0.0
     print(f"\n{runner.cases_run} cases in {elapsed:.1f}s ({rate:.1f} cases/s excluding pool start-up), "
@@ -130,8 +146,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
     for f in findings:
         print(f"\nFINDING [{f.check}] ({f.level}) {f.case}\n  {f.message[:1500]}\n  repro: {f.repro}")
     if ns.json:
-        Path(ns.json).write_text(json.dumps(result_json(runner, findings, elapsed, {
-            "profile": profile.name, "seed": ns.seed, "tp": ns.tp}), indent=1))
+        Path(ns.json).write_text(json.dumps(result, indent=1))
     return 1 if findings else 0
 
 
@@ -164,11 +179,15 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", metavar="FILE", help="write the results as JSON")
     check.add_argument("--no-shrink", action="store_true", help="report failures without shrinking them")
     check.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    for module in CHECK_FEATURES:
+        importlib.import_module(module).add_arguments(check)
     check.set_defaults(func=cmd_check)
     repro = sub.add_parser("repro", help="re-run exactly one case (as printed in a finding)")
     add_target_options(repro)
     repro.add_argument("case", help="case spec, e.g. 'kernel:tp=2,T=5,v_local=4,...'")
     repro.set_defaults(func=cmd_repro)
+    for module in SUBCOMMANDS:
+        importlib.import_module(module).register(sub)
     return parser
 
 

@@ -1,0 +1,61 @@
+"""The mutation catalog: defective variants of the built-in routine, one registry entry each.
+
+A mutant is a subclass of `FusedLogProbEntropy` that overrides one step, registered with
+`@mutant(...)` in any module of this package (modules are discovered, so a new family of mutants
+is a new file). `--target mutant:NAME` checks it like any other target.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Callable
+
+from harness.targets import TargetError
+from harness.targets.fused import FusedLogProbEntropy
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    defect: str  # the class of defect
+    expected: tuple[str, ...]  # the checks meant to kill it
+    history: str  # the CONTRACT.md history it re-creates, or ""
+    routine: type[FusedLogProbEntropy]
+    needs_baseline: bool  # only a comparison with the clean routine's baseline can see it
+    tp: tuple[int, ...]  # the TP sizes at which it can be seen
+
+    @property
+    def spec(self) -> str:
+        return f"mutant:{self.name}"
+
+
+CATALOG: dict[str, Mutant] = {}
+
+
+def mutant(name: str, defect: str, expected: tuple[str, ...] | str, history: str = "",
+           needs_baseline: bool = False, tp: tuple[int, ...] = (1, 2, 4)) -> Callable[[type], type]:
+    def register(cls: type[FusedLogProbEntropy]) -> type[FusedLogProbEntropy]:
+        if name in CATALOG:
+            raise ValueError(f"mutant {name!r} registered twice")
+        exp = (expected,) if isinstance(expected, str) else tuple(expected)
+        CATALOG[name] = Mutant(name, defect, exp, history, cls, needs_baseline, tuple(tp))
+        return cls
+    return register
+
+
+def catalog() -> dict[str, Mutant]:
+    for info in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{info.name}")
+    return CATALOG
+
+
+def mutant_namespace(name: str) -> SimpleNamespace:
+    """The mutant as a target module: the contract's two functions bound to one instance."""
+    entry = catalog().get(name)
+    if entry is None:
+        raise TargetError(f"unknown mutant {name!r}; `python -m harness mutate --list` lists them")
+    routine = entry.routine()
+    return SimpleNamespace(calculate_log_probs_and_entropy=routine.calculate_log_probs_and_entropy,
+                           get_log_probs_and_entropy=routine.get_log_probs_and_entropy)
