@@ -14,6 +14,7 @@ from typing import Any
 
 from cases.case import parse_case
 from cases.profiles import DEFAULT_PROFILE, PROFILES
+from harness import launched
 from harness.pool import PoolStartError
 from harness.runner import Finding, Runner
 from harness.targets import DEFAULT_TARGET, TargetError
@@ -93,7 +94,8 @@ def result_json(runner: Runner, findings: list[Finding], elapsed: float, extra: 
     checks: dict[str, Any] = {}
     for (name, lvl), st in runner.stats.items():
         checks.setdefault(name, {})[lvl] = {"applied": st.applied, "failed": st.failed,
-                                             "max_margin": max(st.margins, default=None), "margins": st.margins}
+                                             "max_margin": max(st.margins, default=None), "margins": st.margins,
+                                             "margins_by_group": st.margins_by_group}
     return {
         "target": runner.target.spec, "levels": list(runner.target.levels),
         "capabilities": runner.target.capabilities, "cases_run": runner.cases_run,
@@ -106,11 +108,12 @@ def result_json(runner: Runner, findings: list[Finding], elapsed: float, extra: 
 # Features that extend `check`, in order: each module has `add_arguments(parser)` and
 # `finish(ns, runner, result) -> list[Finding]`, called on the live runner after the checks, with
 # the JSON-ready result (findings added by earlier features included).
-CHECK_FEATURES: tuple[str, ...] = ()
+CHECK_FEATURES: tuple[str, ...] = ("harness.report",)  # the report renders the others' results: keep it last
 # Modules that add a subcommand: each has `register(subparsers)`.
-SUBCOMMANDS: tuple[str, ...] = ()
+SUBCOMMANDS: tuple[str, ...] = ("harness.mutate", "harness.trend", "harness.catalog_cli")
 
 
+@launched.serving  # under torchrun: rank 0 runs the check on the launched ranks
 def cmd_check(ns: argparse.Namespace) -> int:
     from harness.explore import explore, run_corpus
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from cases.case import Case, KernelCase, WrapperCase
-from harness import trace
+from harness import memory, trace
 from harness.targets import Target
 
 
@@ -64,27 +64,34 @@ def _meta(t: Any) -> dict[str, Any] | None:
     return {"shape": tuple(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "requires_grad": t.requires_grad}
 
 
-def run_kernel(case: KernelCase, target: Target, rank: int, group: Any, device: torch.device) -> dict[str, Any]:
+def run_kernel(case: KernelCase, target: Target, rank: int, group: Any, device: torch.device,
+               obs: dict[str, Any]) -> None:
+    """Fills `obs` as it goes: a backward that raises leaves the forward's observations."""
     full = case.inputs()
     logits = _shard(full.logits, rank, case.v_local, device).requires_grad_(case.requires_grad)
     tokens = full.tokens.to(device)
     keep = _shard(full.keep_mask, rank, case.v_local, device)
     integrity = _Integrity(logits=logits, tokens=tokens, log_prob_keep_mask=keep)
-    log_prob, entropy = target.kernel(logits, tokens, group, with_entropy=case.with_entropy,
-                                      chunk_size=case.chunk_size, log_prob_keep_mask=keep,
-                                      with_entropy_grad=case.with_entropy_grad)
-    obs: dict[str, Any] = {
+    meter = memory.Meter((logits, tokens, keep), device)
+    with meter.forward():
+        log_prob, entropy = target.kernel(logits, tokens, group, with_entropy=case.with_entropy,
+                                          chunk_size=case.chunk_size, log_prob_keep_mask=keep,
+                                          with_entropy_grad=case.with_entropy_grad)
+    meter.outputs(log_prob, entropy)
+    obs.update({
         "log_prob": _detached(log_prob), "entropy": _detached(entropy),
         "log_prob_meta": _meta(log_prob), "entropy_meta": _meta(entropy),
-        "integrity": integrity.problems("forward"),
-    }
+        "integrity": integrity.problems("forward"), "stage": "forward",
+    })
     loss = _weighted(log_prob, full.w_log_prob, device) + _weighted(entropy, full.w_entropy, device)
     if isinstance(loss, torch.Tensor) and loss.requires_grad:
-        loss.backward()
+        with meter.backward():
+            loss.backward()
         obs["grad"] = _detached(logits.grad)
         obs["grad_meta"] = _meta(logits.grad)
         obs["integrity"] += integrity.problems("backward")
-    return obs
+    obs["memory"] = meter.figures
+    obs["stage"] = "backward"
 
 
 def _weighted(out: Any, w: torch.Tensor | None, device: torch.device) -> Any:
@@ -93,37 +100,44 @@ def _weighted(out: Any, w: torch.Tensor | None, device: torch.device) -> Any:
     return (out.reshape(-1) * w.to(device=device, dtype=out.dtype)).sum()
 
 
-def run_wrapper(case: WrapperCase, target: Target, rank: int, device: torch.device) -> dict[str, Any]:
+def run_wrapper(case: WrapperCase, target: Target, rank: int, device: torch.device, obs: dict[str, Any]) -> None:
     full = case.inputs()
     logits = _shard(full.logits, rank, case.v_local, device).unsqueeze(0).requires_grad_(True)
     tokens = [t.to(device) for t in full.unconcat_tokens]
     integrity = _Integrity(logits=logits, **{f"tokens[{i}]": t for i, t in enumerate(tokens)})
-    _, res = target.wrapper(
-        logits, args=case.args(), unconcat_tokens=tokens,
-        total_lengths=list(case.total_lengths), response_lengths=list(case.response_lengths),
-        with_entropy=case.with_entropy, top_p_token_ids=_to(full.top_p_token_ids, device),
-        top_p_token_offsets=_to(full.top_p_token_offsets, device))
+    top_p_ids, top_p_offsets = _to(full.top_p_token_ids, device), _to(full.top_p_token_offsets, device)
+    meter = memory.Meter((logits, tokens, top_p_ids, top_p_offsets), device)
+    with meter.forward():
+        _, res = target.wrapper(
+            logits, args=case.args(), unconcat_tokens=tokens,
+            total_lengths=list(case.total_lengths), response_lengths=list(case.response_lengths),
+            with_entropy=case.with_entropy, top_p_token_ids=top_p_ids, top_p_token_offsets=top_p_offsets)
+    meter.outputs(res)
     n_forward = trace.count()
     log_probs = list(res.get("log_probs", []))
     entropy = res.get("entropy")
-    obs: dict[str, Any] = {
+    obs.update({
         "log_probs": [_detached(t) for t in log_probs],
         "entropy": None if entropy is None else [_detached(t) for t in entropy],
         "log_probs_meta": [_meta(t) for t in log_probs],
         "entropy_meta": None if entropy is None else [_meta(t) for t in entropy],
-        "integrity": integrity.problems("forward"),
+        "integrity": integrity.problems("forward"), "stage": "forward",
         "n_forward_collectives": n_forward,
-    }
+    })
     if case.chunk_size > 0 and case.top_p == "none" and target.kernel is not None:
         obs["kernel_traces"] = _kernel_traces(case, target, logits[0].detach(), device)
     loss = sum((_weighted(t, w, device) for t, w in zip(log_probs, full.w_log_probs)), 0.0)
     if entropy is not None:
         loss = loss + sum((_weighted(t, w, device) for t, w in zip(entropy, full.w_entropy)), 0.0)
     if isinstance(loss, torch.Tensor) and loss.requires_grad:
-        loss.backward()
+        with meter.backward():
+            loss.backward()
         obs["grad"] = _detached(logits.grad[0]) if logits.grad is not None else None
         obs["integrity"] += integrity.problems("backward")
-    return obs
+    obs["memory"] = meter.figures
+    if case.chunk_size > 0 and case.top_p == "none" and case.temperature in (None, 1.0) and target.kernel is not None:
+        obs["memory"]["kernel"] = memory.kernel_figures(case, target, logits, tp_group(), device)
+    obs["stage"] = "backward"
 
 
 def _kernel_traces(case: WrapperCase, target: Target, logits: torch.Tensor, device: torch.device) -> dict:
@@ -163,9 +177,9 @@ def execute(case: Case, target: Target, rank: int, device: torch.device) -> Rank
     with trace.recording() as events:
         try:
             if case.level == "kernel":
-                result.obs = run_kernel(case, target, rank, group, device)
+                run_kernel(case, target, rank, group, device, result.obs)
             else:
-                result.obs = run_wrapper(case, target, rank, device)
+                run_wrapper(case, target, rank, device, result.obs)
         except Exception as e:  # the target's failure is data
             result.error = f"{type(e).__name__}: {e}".strip()[:2000]
             result.error_kind = "exception"

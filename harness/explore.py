@@ -18,6 +18,10 @@ from cases.strategies import LEVEL_STRATEGIES
 from harness.runner import Finding, Runner
 
 
+class _Stop(Exception):
+    pass
+
+
 class _NewFailure(Exception):
     def __init__(self, findings: list[Finding]):
         super().__init__(f"{len(findings)} finding(s)")
@@ -30,8 +34,10 @@ def strategy_for(runner: Runner, level: str, tps: Iterable[int]) -> st.SearchStr
                                    keep_mask=t.supports("keep_mask"))
 
 
-def run_corpus(runner: Runner, tps: Iterable[int], progress: Callable[[str], None] = lambda s: None) -> list[Finding]:
-    """The regression corpus, at the TP sizes asked for (cases at other sizes move to the largest)."""
+def run_corpus(runner: Runner, tps: Iterable[int], progress: Callable[[str], None] = lambda s: None,
+               stop: Callable[[list[Finding]], bool] | None = None) -> list[Finding]:
+    """The regression corpus, at the TP sizes asked for (cases at other sizes move to the largest);
+    `stop` ends it early once the findings so far satisfy it."""
     tps = sorted(tps)
     findings: list[Finding] = []
     for entry in CORPUS:
@@ -45,13 +51,17 @@ def run_corpus(runner: Runner, tps: Iterable[int], progress: Callable[[str], Non
         _, fs = runner.check(case)
         findings += fs
         progress(f"corpus {entry.name}: {'ok' if not fs else ', '.join(sorted({f.check for f in fs}))}")
+        if stop is not None and stop(findings):
+            break
     return findings
 
 
 def explore(runner: Runner, level: str, tps: Iterable[int], max_examples: int, seed: int,
-            shrink: bool = True, progress: Callable[[str], None] = lambda s: None) -> list[Finding]:
+            shrink: bool = True, progress: Callable[[str], None] = lambda s: None,
+            stop: Callable[[list[Finding]], bool] | None = None) -> list[Finding]:
     """Random cases of one level; returns one finding per (newly) failing check, shrunk when asked.
-    Without shrinking, every finding of every case is returned."""
+    Without shrinking, every finding of every case is returned; `stop` ends the search early once
+    the findings so far satisfy it."""
     strategy = strategy_for(runner, level, tps)
     known: set[str] = set()
     out: list[Finding] = []
@@ -71,9 +81,13 @@ def explore(runner: Runner, level: str, tps: Iterable[int], max_examples: int, s
             if new and shrink:
                 raise _NewFailure(new)
             collected.extend(new)
+            if stop is not None and stop(collected):
+                raise _Stop
 
         try:
             probe()
+        except _Stop:
+            pass
         except _NewFailure as failure:  # re-raised by Hypothesis from the shrunk example
             for f in failure.findings:
                 f.shrunk = True

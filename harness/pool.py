@@ -30,6 +30,7 @@ from harness.execute import RankResult
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 20.0
 STARTUP_TIMEOUT_S = 120.0
+RAISED_GRACE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,10 @@ class WorkerPool:
         self.start()
 
     def start(self) -> None:
+        if self.start_method == "fork":
+            # Imported once here, inherited by every fork: a rebuilt pool starts in a fraction of
+            # a second instead of re-importing megatron-core in each rank.
+            import megatron.core.parallel_state  # noqa: F401
         ctx = mp.get_context(self.start_method)
         self.store_dir = tempfile.mkdtemp(prefix=f"harness-tp{self.tp}-")
         for rank in range(self.tp):
@@ -135,8 +140,11 @@ class WorkerPool:
             raise PoolStartError(f"TP {self.tp} pool failed to start: " + "; ".join(bad))
 
     def _gather(self, deadline: float) -> list[Any]:
-        """One reply per rank, or a RankResult naming why that rank gave none."""
+        """One reply per rank, or a RankResult naming why that rank gave none. Once a rank has
+        raised, the others get RAISED_GRACE_S more: a rank left waiting in a collective its peer
+        never issued would otherwise hold the case until the collective timeout."""
         replies: dict[int, Any] = {}
+        raised_at: float | None = None
         pending = {c: r for r, c in enumerate(self.conns)}
         sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
         while pending:
@@ -151,6 +159,9 @@ class WorkerPool:
                         replies[r] = obj.recv()
                     except (EOFError, OSError):
                         pass
+                    if raised_at is None and isinstance(replies.get(r), RankResult) and replies[r].error:
+                        raised_at = time.monotonic()
+                        deadline = min(deadline, raised_at + RAISED_GRACE_S)
                 elif sentinels.get(obj) is not None and sentinels[obj] not in replies:
                     r = sentinels[obj]
                     conn = self.conns[r]
@@ -162,8 +173,9 @@ class WorkerPool:
                     replies[r] = RankResult(r, error=f"rank {r} died (exit code {code})", error_kind="died")
         for r in range(self.tp):
             if r not in replies:
-                replies[r] = RankResult(r, error=f"rank {r} gave no answer within the deadline (hung)",
-                                        error_kind="timeout")
+                why = (f"still running {RAISED_GRACE_S:.0f}s after another rank raised (blocked in a collective?)"
+                       if raised_at is not None else "gave no answer within the deadline (hung)")
+                replies[r] = RankResult(r, error=f"rank {r} {why}", error_kind="timeout")
         return [replies[r] for r in range(self.tp)]
 
     def call(self, fn_path: str, args_per_rank: list[tuple], deadline_s: float) -> list[Any]:

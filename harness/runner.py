@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cases.case import Case
+from harness import launched
 from harness.checks import Check, Evidence, all_checks
 from harness.execute import RankResult, execute
 from harness.pool import RankContext, WorkerPool
@@ -44,12 +45,9 @@ def repro_command(target: str, case: Case) -> str:
 
 
 def _needs_rebuild(results: list[RankResult]) -> bool:
-    """A rank that raised alone, or ranks whose collectives diverged, may leave the group with
-    unmatched operations in flight: start the next case on a fresh group."""
-    errors = [r for r in results if r.error]
-    if not errors:
-        return False
-    return len(errors) < len(results) or any(r.trace != results[0].trace for r in results)
+    """Ranks whose collectives diverged may leave unmatched operations in flight: start the next
+    case on a fresh group. Exceptions after identical collectives leave the group consistent."""
+    return any(r.trace != results[0].trace for r in results)
 
 
 @dataclass
@@ -57,6 +55,7 @@ class CheckStats:
     applied: int = 0
     failed: int = 0
     margins: list[float] = field(default_factory=list)  # max error / tolerance per case
+    margins_by_group: dict[str, list[float]] = field(default_factory=dict)  # the same, per case.group()
 
 
 class Runner:
@@ -77,7 +76,8 @@ class Runner:
 
     def pool(self, tp: int) -> WorkerPool:
         if tp not in self.pools:
-            self.pools[tp] = WorkerPool(tp, self.device, self.collective_timeout_s)
+            shared = launched.pool(tp)  # under torchrun: the launched ranks instead of a pool of our own
+            self.pools[tp] = shared if shared is not None else WorkerPool(tp, self.device, self.collective_timeout_s)
         return self.pools[tp]
 
     def execute(self, case: Case) -> Evidence:
@@ -98,6 +98,10 @@ class Runner:
             self._cache.popitem(last=False)
         return ev
 
+    def executed(self) -> list[Evidence]:
+        """The evidence of the cases run so far (the CACHE_SIZE most recently used), for summaries."""
+        return list(self._cache.values())
+
     def check(self, case: Case, only: set[str] | None = None) -> tuple[Evidence, list[Finding]]:
         """Run one case (and the twins its checks ask for); evaluate every applicable check."""
         ev = self.execute(case)
@@ -106,21 +110,27 @@ class Runner:
         for chk in self.checks.values():
             if (only and chk.name not in only) or not chk.applicable(case, self.target):
                 continue
-            if chk.needs_clean_run and ev.failed_ranks:
+            if chk.needs and not ev.completed(chk.needs):
                 continue
             if chk.twin is not None:
                 twin_case = chk.twin(case)
                 if twin_case is None:
                     continue
                 twin = self.execute(twin_case)
-                if twin.failed_ranks:
+                if chk.needs and not twin.completed(chk.needs):
                     continue  # the twin's own crash is reported when it runs as a case
                 ev.twins[chk.name] = twin
             first = len(ev.margins)
-            problems = chk.fn(ev)
+            try:
+                problems = chk.fn(ev)
+            except Exception as e:  # outputs malformed beyond what the check anticipated
+                problems = [f"the check could not evaluate the outputs: {type(e).__name__}: {e}"]
             stats = self.stats[(chk.name, case.level)]
             stats.applied += 1
-            stats.margins.extend(m for _, m in ev.margins[first:] if m == m)
+            used = [m for _, m in ev.margins[first:] if m == m]
+            stats.margins.extend(used)
+            if used:
+                stats.margins_by_group.setdefault(case.group(), []).extend(used)
             if problems:
                 stats.failed += 1
                 findings.append(Finding(chk.name, case.level, case.spec(), "; ".join(problems)[:4000],

@@ -35,6 +35,11 @@ class Evidence:
     def failed_ranks(self) -> list[RankResult]:
         return [r for r in self.ranks if r.error]
 
+    def completed(self, stage: str) -> bool:
+        """Every rank got through `stage` ("forward", or "backward" = the whole case)."""
+        order = ("forward", "backward")
+        return all(r.obs.get("stage") in order[order.index(stage):] for r in self.ranks)
+
     def obs(self, key: str, rank: int = 0) -> Any:
         return self.ranks[rank].obs.get(key)
 
@@ -68,7 +73,7 @@ class Check:
     fn: CheckFn
     applies: Callable[[Case, Target], bool]
     twin: Callable[[Case], Case | None] | None
-    needs_clean_run: bool
+    needs: str | None
     min_tp: int
     doc: str
 
@@ -82,14 +87,15 @@ REGISTRY: dict[str, Check] = {}
 def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
           applies: Callable[[Case, Target], bool] = lambda c, t: True,
           twin: Callable[[Case], Case | None] | None = None,
-          needs_clean_run: bool = True, min_tp: int = 1) -> Callable[[CheckFn], CheckFn]:
-    """Register a check. `needs_clean_run`: skip it when a rank raised (the crash is its own finding).
+          needs: str | None = "backward", min_tp: int = 1) -> Callable[[CheckFn], CheckFn]:
+    """Register a check. `needs`: the stage ("forward" or "backward") every rank must have completed
+    for the check to have evidence (a rank that raised earlier is `crash`'s finding); None: always.
     `twin`: a second case the check compares against (run on its own pool), or None to skip.
     `min_tp`: the smallest TP size at which the check can fail at all."""
     def register(fn: CheckFn) -> CheckFn:
         if name in REGISTRY:
             raise ValueError(f"check {name!r} registered twice")
-        REGISTRY[name] = Check(name, levels, fn, applies, twin, needs_clean_run, min_tp,
+        REGISTRY[name] = Check(name, levels, fn, applies, twin, needs, min_tp,
                                (fn.__doc__ or "").strip())
         return fn
     return register
@@ -110,6 +116,6 @@ def compare(actual: Any, expected: torch.Tensor, atol: float, rtol: float, what:
 
 
 def all_checks() -> dict[str, Check]:
-    from harness.checks import common, kernel, wrapper  # noqa: F401  (registration on import)
+    from harness.checks import common, kernel, memory, wrapper  # noqa: F401  (registration on import)
 
     return REGISTRY

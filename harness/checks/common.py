@@ -14,13 +14,13 @@ def _errors(ev: Evidence) -> list[str]:
     return [f"rank {r.rank} {r.error_kind}: {r.error}" for r in ev.failed_ranks]
 
 
-@check("crash", applies=lambda c, t: _t(c) > 0, needs_clean_run=False)
+@check("crash", applies=lambda c, t: _t(c) > 0, needs=None)
 def crash(ev: Evidence) -> list[str]:
     """Every rank returns without raising, dying or hanging."""
     return _errors(ev)
 
 
-@check("empty-input", levels=("kernel",), applies=lambda c, t: _t(c) == 0, needs_clean_run=False)
+@check("empty-input", levels=("kernel",), applies=lambda c, t: _t(c) == 0, needs=None)
 def empty_input(ev: Evidence) -> list[str]:
     """T == 0 returns empty outputs without error, at every TP size."""
     problems = _errors(ev)
@@ -32,7 +32,7 @@ def empty_input(ev: Evidence) -> list[str]:
     return problems
 
 
-@check("collectives", needs_clean_run=False, min_tp=2)
+@check("collectives", needs=None, min_tp=2)
 def collectives(ev: Evidence) -> list[str]:
     """Every rank issues the same sequence of collectives (op, group size, shape, dtype)."""
     seqs = [r.trace for r in ev.ranks]
@@ -44,7 +44,7 @@ def collectives(ev: Evidence) -> list[str]:
     return [f"ranks diverge: {counts}; first difference at collective #{first + 1}: {detail}"]
 
 
-@check("input-integrity")
+@check("input-integrity", needs="forward")
 def input_integrity(ev: Evidence) -> list[str]:
     """Inputs keep their values and version counters through forward and backward."""
     return [f"rank {r.rank}: {p}" for r in ev.ranks for p in r.obs.get("integrity", [])]

@@ -13,7 +13,7 @@ def _nonempty(c: KernelCase, t) -> bool:
     return c.T > 0
 
 
-@check("values", levels=KERNEL, applies=_nonempty)
+@check("values", levels=KERNEL, applies=_nonempty, needs="forward")
 def values(ev: Evidence) -> list[str]:
     """log-probs and entropy match the float64 oracle of the same input values, at float32 scale."""
     exp = ev.expected
@@ -35,7 +35,7 @@ def gradients(ev: Evidence) -> list[str]:
     return ev.compare(grad, exp.grad, exp.grad_atol, exp.grad_rtol, "grad (all shards)")
 
 
-@check("grad-flags", levels=KERNEL)
+@check("grad-flags", levels=KERNEL, needs="forward")
 def grad_flags(ev: Evidence) -> list[str]:
     """entropy.requires_grad == with_entropy and with_entropy_grad and logits.requires_grad;
     entropy is None exactly when not requested; log_prob follows the logits."""
@@ -57,7 +57,7 @@ def grad_flags(ev: Evidence) -> list[str]:
     return problems
 
 
-@check("shapes-dtypes", levels=KERNEL)
+@check("shapes-dtypes", levels=KERNEL, needs="forward")
 def shapes_dtypes(ev: Evidence) -> list[str]:
     """T elements out, float32 out, the gradient in the logits' dtype and shape."""
     c: KernelCase = ev.case
@@ -84,7 +84,7 @@ def shapes_dtypes(ev: Evidence) -> list[str]:
     return problems
 
 
-@check("finite", levels=KERNEL, applies=_nonempty)
+@check("finite", levels=KERNEL, applies=_nonempty, needs="forward")
 def finite(ev: Evidence) -> list[str]:
     """No NaN or inf where the oracle is finite (outputs and gradient)."""
     exp = ev.expected
@@ -107,7 +107,7 @@ def _outputs_match(ev: Evidence, other: Evidence, what: str) -> list[str]:
     for key in ("log_prob", "entropy"):
         a, b = ev.obs(key), other.obs(key)
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-            problems += ev.compare(a, b.to(torch.float64).reshape(a.shape), 2 * exp.value_atol, 0.0, f"{key} vs {what}")
+            problems += ev.compare(a, b.to(torch.float64), 2 * exp.value_atol, 0.0, f"{key} vs {what}")
     ga, gb = ev.full_grad(), other.full_grad()
     if ga is not None and gb is not None:
         problems += ev.compare(ga, gb.to(torch.float64), 2 * exp.grad_atol, exp.grad_rtol, f"grad vs {what}")

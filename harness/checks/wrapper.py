@@ -20,7 +20,7 @@ def _per_sample(ev: Evidence, key: str, what: str) -> list[str]:
     return problems
 
 
-@check("wrapper-extraction", levels=WRAPPER)
+@check("wrapper-extraction", levels=WRAPPER, needs="forward")
 def extraction(ev: Evidence) -> list[str]:
     """One float32 tensor of R_i response values per sample, for log-probs and (when asked) entropy."""
     c: WrapperCase = ev.case
@@ -47,12 +47,17 @@ def extraction(ev: Evidence) -> list[str]:
     return problems
 
 
-@check("entropy-coef-rule", levels=WRAPPER, applies=lambda c, t: c.with_entropy)
+@check("entropy-coef-rule", levels=WRAPPER, applies=lambda c, t: c.with_entropy, needs=None)
 def entropy_coef_rule(ev: Evidence) -> list[str]:
     """slime PR #2153: the wrapper's entropy is differentiable exactly when entropy_coef != 0
     (absent and -0.0 are zero; a negative coefficient is a coefficient), whoever calls it."""
     c: WrapperCase = ev.case
     coef = "absent" if c.entropy_coef is None else repr(c.entropy_coef)
+    if ev.failed_ranks:
+        # A caller that never sets entropy_coef is a caller too; other crashes are crash's.
+        r = ev.failed_ranks[0]
+        return [f"rank {r.rank}: the wrapper raised with entropy_coef absent (absent means 0): {r.error}"] \
+            if c.entropy_coef is None else []
     problems = []
     for r in ev.ranks:
         for i, m in enumerate(r.obs.get("entropy_meta") or []):
@@ -63,19 +68,20 @@ def entropy_coef_rule(ev: Evidence) -> list[str]:
     return problems
 
 
-@check("wrapper-entropy", levels=WRAPPER, applies=lambda c, t: c.with_entropy and t.supports("entropy"))
+@check("wrapper-entropy", levels=WRAPPER, applies=lambda c, t: c.with_entropy and t.supports("entropy"),
+       needs="forward")
 def wrapper_entropy(ev: Evidence) -> list[str]:
     """Per-sample entropy of the unmasked, temperature-scaled softmax on the response rows."""
     return _per_sample(ev, "entropy", "entropy")
 
 
-@check("temperature", levels=WRAPPER, applies=lambda c, t: c.temperature not in (None, 1.0))
+@check("temperature", levels=WRAPPER, applies=lambda c, t: c.temperature not in (None, 1.0), needs="forward")
 def temperature(ev: Evidence) -> list[str]:
     """The logits are divided by args.rollout_temperature before log-probs and entropy."""
     return _per_sample(ev, "log_probs", "log-probs at temperature") + _per_sample(ev, "entropy", "entropy at temperature")
 
 
-@check("top-p-replay", levels=WRAPPER, applies=lambda c, t: c.top_p != "none")
+@check("top-p-replay", levels=WRAPPER, applies=lambda c, t: c.top_p != "none", needs="forward")
 def top_p_replay(ev: Evidence) -> list[str]:
     """The recorded nucleus masks the log-probs only; rows without one stay unmasked; entropy unmasked."""
     return _per_sample(ev, "log_probs", "log-probs under top-p replay") + _per_sample(ev, "entropy", "entropy (never masked)")

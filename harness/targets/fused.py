@@ -142,6 +142,10 @@ class FusedLogProbEntropy:
         t = self.all_reduce(ex.sum(dim=-1), dist.ReduceOp.SUM, group, "entropy_term")
         return torch.log(s) - t / s
 
+    def entropy_inputs(self, unmasked: tuple, masked: tuple) -> tuple:
+        """The softmax statistics the entropy is computed from: the unmasked ones, always."""
+        return unmasked
+
     def softmax_into(self, out: Optional[torch.Tensor], e: torch.Tensor,
                      s: torch.Tensor) -> None:
         """Write e / S into the preallocated q rows (no-op when no gradient is needed)."""
@@ -202,6 +206,7 @@ class FusedLogProbEntropy:
                 exm, sem = self.sum_exp(xm, mm, group, "masked_sumexp")
                 lps.append(xt - (mm + torch.log(sem)))
                 self.softmax_into(q_rows, exm, sem)
+                x, ex, m, se = self.entropy_inputs((x, ex, m, se), (xm, exm, mm, sem))
             if with_entropy:
                 ents.append(self.entropy(x, ex, m, se, group))
             lses.append(lse)

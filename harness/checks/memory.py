@@ -1,0 +1,157 @@
+"""Memory checks: invariants that hold for every correct routine whatever its design, and the
+budget a target declares. Figures come from `harness.memory` (docs/memory.md); every comparison
+allows `memory.slack(T)` bytes, the O(T) of the contract.
+
+Chunking is not asserted to lower the peak: in eager autograd the backward of row slices allocates
+full-size gradients, and a routine that saves its whole softmax has the same retained bytes with
+or without chunks. `memory-chunk-passthrough` only asks the wrapper to cost what its kernel costs
+at the chunk size it was given.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from cases.case import KernelCase, WrapperCase
+from harness import memory
+from harness.checks import Evidence, check
+
+
+def _mem(ev: Evidence, rank: int) -> dict[str, Any]:
+    return ev.ranks[rank].obs.get("memory") or {}
+
+
+def _fmt(n: int) -> str:
+    return f"{n:,} B"
+
+
+def _excess(tensors: list[dict], than: list[dict]) -> str:
+    """The tensors of `tensors` that `than` has no counterpart for (same shape, dtype, role)."""
+    sig = lambda t: (tuple(t["shape"]), t["dtype"], t["how"])  # noqa: E731
+    spare = Counter(sig(t) for t in than)
+    extra = []
+    for t in tensors:
+        if spare[sig(t)]:
+            spare[sig(t)] -= 1
+        else:
+            extra.append(t)
+    return _list(extra)
+
+
+def _list(tensors: list[dict]) -> str:
+    if not tensors:
+        return "no single tensor stands out"
+    return ", ".join(f"{t['dtype']}{t['shape']} {_fmt(t['bytes'])} ({t['how']}, from {t['op']})" for t in tensors[:6])
+
+
+def _compare_retained(ev: Evidence, twin: Evidence, what: str) -> list[str]:
+    allowed = memory.slack(ev.case.T)
+    problems = []
+    for r in range(len(ev.ranks)):
+        a, b = _mem(ev, r), _mem(twin, r)
+        if "retained" not in a or "retained" not in b:
+            continue
+        excess = a["retained"] - b["retained"]
+        if excess > allowed:
+            problems.append(f"rank {r}: retained {_fmt(a['retained'])} after forward, {_fmt(excess)} more than "
+                            f"{what} ({_fmt(b['retained'])}); allowed {_fmt(allowed)} more. Excess: "
+                            f"{_excess(a.get('retained_tensors', []), b.get('retained_tensors', []))}")
+    return problems
+
+
+@check("memory-metric-only", levels=("kernel",),
+       applies=lambda c, t: c.T > 0 and c.requires_grad and c.with_entropy and not c.with_entropy_grad,
+       twin=lambda c: c.replace(with_entropy=False, with_entropy_grad=True, loss_terms="both"))
+def metric_only(ev: Evidence) -> list[str]:
+    """A metric-only entropy (with_entropy_grad=False) retains no more than the log-prob-only call
+    plus O(T) bytes, in every dtype and with or without a keep mask."""
+    return _compare_retained(ev, ev.twins["memory-metric-only"], "the log-prob-only call")
+
+
+@check("memory-coef-zero", levels=("wrapper",),
+       applies=lambda c, t: c.T > 0 and c.with_entropy and not c.expects_entropy_grad,
+       twin=lambda c: c.replace(with_entropy=False))
+def coef_zero(ev: Evidence) -> list[str]:
+    """slime #2153: with entropy_coef == 0 (or absent) the wrapper retains what its log-prob-only
+    call (with_entropy=False) retains, plus O(T) bytes."""
+    return _compare_retained(ev, ev.twins["memory-coef-zero"], "with_entropy=False")
+
+
+def _passthrough_applies(c: WrapperCase, t: Any) -> bool:
+    return c.T > 0 and c.chunk_size > 0 and c.top_p == "none" and c.temperature in (None, 1.0) and t.kernel is not None
+
+
+@check("memory-chunk-passthrough", levels=("wrapper",), applies=_passthrough_applies)
+def chunk_passthrough(ev: Evidence) -> list[str]:
+    """NeMo-RL #2871: args.log_probs_chunk_size reaches the kernel. The wrapper's retained and peak
+    bytes match the target kernel's own at that chunk size on the same rows (temperature 1, no
+    top-p), within O(T); so they differ from the unchunked figures wherever the kernel's do."""
+    c: WrapperCase = ev.case
+    allowed = memory.slack(c.T)
+    problems = []
+    for r in range(len(ev.ranks)):
+        got = _mem(ev, r)
+        kernel = got.get("kernel")
+        if not kernel:
+            continue
+        chunked, whole = kernel[c.chunk_size], kernel[-1]
+        for m in memory.METERS:
+            if got.get(m) is None or chunked.get(m) is None:
+                continue
+            if abs(got[m] - chunked[m]) > allowed:
+                like = " — the unchunked kernel's figure: log_probs_chunk_size ignored" \
+                    if whole.get(m) is not None and abs(got[m] - whole[m]) <= allowed else ""
+                problems.append(
+                    f"rank {r}: wrapper {m} {_fmt(got[m])}, its kernel at chunk_size={c.chunk_size} "
+                    f"{_fmt(chunked[m])}, unchunked {_fmt(whole.get(m) or 0)}; allowed ±{_fmt(allowed)}{like}. "
+                    f"Excess: {_excess(got.get(f'{m}_tensors', []), chunked.get(f'{m}_tensors', []))}")
+    return problems
+
+
+def _backward_reaches_all(c: Any, t: Any) -> bool:
+    """Every differentiable output is in the loss, so the backward must free the whole graph (an
+    output left out keeps its own graph alive, legitimately, as long as it lives)."""
+    if isinstance(c, KernelCase):
+        return c.T > 0 and c.has_backward and (c.loss_terms == "both" or not c.expects_entropy_grad)
+    return c.T > 0 and sum(c.response_lengths) > 0
+
+
+@check("memory-backward-frees", applies=_backward_reaches_all)
+def backward_frees(ev: Evidence) -> list[str]:
+    """What the forward retained is freed by the backward (its outputs, which the caller holds,
+    excepted), within O(T): nothing [T, V_local]-sized outlives the step, on ctx or elsewhere."""
+    allowed = memory.slack(ev.case.T)
+    problems = []
+    for r in range(len(ev.ranks)):
+        m = _mem(ev, r)
+        if m.get("leftover") is not None and m["leftover"] > allowed:
+            problems.append(f"rank {r}: {_fmt(m['leftover'])} of the {_fmt(m['retained'])} retained by the forward "
+                            f"still alive after backward; allowed {_fmt(allowed)}. Alive: {_list(m['leftover_tensors'])}")
+    return problems
+
+
+@check("memory-budget", applies=lambda c, t: c.T > 0 and bool(t.memory_budget))
+def budget(ev: Evidence) -> list[str]:
+    """The target's declared HARNESS_MEMORY_BUDGET: each figure (retained, peak_forward,
+    peak_backward) at most its multiple of T*V_local*4 bytes plus O(T); on CUDA the allocator's
+    figures too, with 512 B of allocator rounding per live storage."""
+    c = ev.case
+    unknown = sorted(set(ev.target.memory_budget) - set(memory.METERS))
+    if unknown:
+        return [f"HARNESS_MEMORY_BUDGET has unknown key(s) {unknown}; known: {list(memory.METERS)}"]
+    unit, allowed_extra = memory.unit(c.T, c.v_local), memory.slack(c.T)
+    problems = []
+    for r in range(len(ev.ranks)):
+        m = _mem(ev, r)
+        for meter, mult in ev.target.memory_budget.items():
+            allowed = int(mult * unit) + allowed_extra
+            got = m.get(meter)
+            if got is not None and got > allowed:
+                problems.append(f"rank {r}: {meter} {_fmt(got)} = {got / unit:.2f} x T*V_local*4, budget {mult} x "
+                                f"+ O(T) = {_fmt(allowed)}. Largest: {_list(m.get(f'{meter}_tensors', []))}")
+            cuda = m.get(f"cuda_{meter}")
+            cuda_allowed = allowed + memory.CUDA_BLOCK * (m.get(f"{meter}_count") or 0)
+            if cuda is not None and cuda > cuda_allowed:
+                problems.append(f"rank {r}: CUDA allocator {meter} {_fmt(cuda)} = {cuda / unit:.2f} x T*V_local*4, "
+                                f"budget {_fmt(cuda_allowed)} (with {memory.CUDA_BLOCK} B rounding per storage)")
+    return problems

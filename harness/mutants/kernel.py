@@ -1,0 +1,121 @@
+"""Level-1 defects: each class overrides exactly one step of the built-in routine."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from harness.mutants import mutant
+from harness.targets.fused import FusedLogProbEntropy as Fused
+
+TP_ONLY = (2, 4)  # a collective or sharding defect is invisible on a single rank
+
+
+def _skip_stat(stat_name: str) -> type[Fused]:
+    class SkipsOneAllReduce(Fused):
+        def all_reduce(self, tensor, op, group, stat):
+            return tensor if stat == stat_name else super().all_reduce(tensor, op, group, stat)
+    return SkipsOneAllReduce
+
+
+for _stat in ("max", "sumexp", "target_logit", "entropy_term"):
+    mutant(f"missing-allreduce-{_stat.replace('_', '-')}", "missing all-reduce",
+           ("values",), "ms-swift #9947 (a reduction missing across vocab shards)", tp=TP_ONLY)(_skip_stat(_stat))
+
+
+@mutant("wrong-shard-offset", "wrong shard offsets", ("values", "gradients"), tp=TP_ONLY)
+class WrongShardOffset(Fused):
+    def shard_start(self, rank, v_local):
+        return 0  # every rank believes it owns the first shard
+
+
+@mutant("shard-boundary-off-by-one", "off-by-one shard boundary", ("values",),
+        "Megatron-LM #1754 (shard boundaries)", tp=TP_ONLY)
+class ShardBoundaryOffByOne(Fused):
+    def owned(self, local_ids, v_local):
+        return (local_ids >= 0) & (local_ids <= v_local)
+
+
+@mutant("chunk-dropped", "chunks dropped", ("chunk-invariance", "shapes-dtypes"))
+class ChunkDropped(Fused):
+    def chunk_bounds(self, num_rows, chunk_size):
+        bounds = super().chunk_bounds(num_rows, chunk_size)
+        return bounds[:-1] if len(bounds) > 1 else bounds
+
+
+@mutant("chunks-reordered", "chunks reordered", ("chunk-invariance", "values"))
+class ChunksReordered(Fused):
+    def concat(self, parts, empty_like):
+        return super().concat(list(reversed(parts)), empty_like)
+
+
+@mutant("mask-applied-to-entropy", "keep mask applied to the entropy", ("values",))
+class MaskAppliedToEntropy(Fused):
+    def entropy_inputs(self, unmasked, masked):
+        return masked
+
+
+@mutant("target-not-restored", "target not restored under the keep mask", ("values", "finite"))
+class TargetNotRestored(Fused):
+    def restore_target(self, keep_local, rows, cols):
+        return keep_local.clone()
+
+
+@mutant("entropy-always-differentiable", "entropy always differentiable", ("grad-flags",),
+        "slime #2153 (metric-only entropy kept its gradient)")
+class EntropyAlwaysDifferentiable(Fused):
+    def entropy_differentiable(self, with_entropy, with_entropy_grad, requires_grad):
+        return bool(with_entropy and requires_grad)
+
+
+@mutant("entropy-never-differentiable", "entropy never differentiable", ("grad-flags", "gradients"))
+class EntropyNeverDifferentiable(Fused):
+    def entropy_differentiable(self, with_entropy, with_entropy_grad, requires_grad):
+        return False
+
+
+@mutant("input-modified-in-place", "input modified in place", ("input-integrity",),
+        "Megatron-LM #1594, verl #1672/#2484 (.float() aliases float32 logits)")
+class InputModifiedInPlace(Fused):
+    def masked_logits(self, x, keep):
+        return x.masked_fill_(~keep, float("-inf"))  # x aliases the caller's float32 logits
+
+
+@mutant("gradient-quantized-bf16", "gradient quantized to bf16", ("gradients",),
+        "slime #2152 (log-prob gradient cast to bfloat16)")
+class GradientQuantizedBf16(Fused):
+    def cast_grad(self, grad, dtype):
+        return grad.to(torch.bfloat16).to(dtype)
+
+
+@mutant("low-precision-math", "math in the input's low precision", ("values",))
+class LowPrecisionMath(Fused):
+    def compute_dtype(self, logits):
+        return logits.dtype
+
+
+@mutant("entropy-grad-sign", "entropy-gradient sign error", ("gradients",))
+class EntropyGradSign(Fused):
+    def entropy_grad_term(self, p, log_p, entropy):
+        return -super().entropy_grad_term(p, log_p, entropy)
+
+
+@mutant("entropy-grad-scale", "entropy-gradient scale error", ("gradients",))
+class EntropyGradScale(Fused):
+    def entropy_grad_term(self, p, log_p, entropy):
+        return 2.0 * super().entropy_grad_term(p, log_p, entropy)
+
+
+@mutant("empty-input-crash", "empty input crashing", ("empty-input",))
+class EmptyInputCrash(Fused):
+    def concat(self, parts, empty_like):
+        return torch.cat(list(parts))  # torch.cat([]) raises when there were no chunks
+
+
+@mutant("rank-divergent-collective", "rank-divergent collective", ("collectives",),
+        "slime #1822 (metric-only entropy left collectives unmatched: comm stuck)", tp=TP_ONLY)
+class RankDivergentCollective(Fused):
+    def entropy(self, x, e, m, s, group):
+        if dist.is_initialized() and dist.get_rank(group) == 0 and x.shape[0] % 2:
+            # Rank 0 alone issues one more all-reduce, on odd-sized chunks only.
+            self.all_reduce(torch.zeros(1), dist.ReduceOp.SUM, group, "entropy_term")
+        return super().entropy(x, e, m, s, group)
