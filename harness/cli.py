@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ from typing import Any
 from cases.case import parse_case
 from cases.profiles import DEFAULT_PROFILE, PROFILES
 from harness import launched
+from harness import pool
 from harness.pool import PoolStartError
 from harness.runner import Finding, Runner
 from harness.targets import DEFAULT_TARGET, TargetError
@@ -108,7 +111,7 @@ def result_json(runner: Runner, findings: list[Finding], elapsed: float, extra: 
 # Features that extend `check`, in order: each module has `add_arguments(parser)` and
 # `finish(ns, runner, result) -> list[Finding]`, called on the live runner after the checks, with
 # the JSON-ready result (findings added by earlier features included).
-CHECK_FEATURES: tuple[str, ...] = ("harness.report",)  # the report renders the others' results: keep it last
+CHECK_FEATURES: tuple[str, ...] = ("harness.baseline", "harness.report")  # the report renders the others' results: keep it last
 # Modules that add a subcommand: each has `register(subparsers)`.
 SUBCOMMANDS: tuple[str, ...] = ("harness.mutate", "harness.trend", "harness.catalog_cli")
 
@@ -120,7 +123,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
     say = _progress(ns.quiet)
     profile = PROFILES[ns.profile]
     start = time.perf_counter()
-    runner = Runner(ns.target, ns.device, ns.collective_timeout)
+    runner = Runner(ns.target, ns.device, ns.collective_timeout, pools=ns.pools)
     try:
         say(f"target {runner.target.spec}: levels {', '.join(runner.target.levels)}; TP {ns.tp}; profile {profile.name}")
         for feature, ok in sorted(runner.target.capabilities.items()):
@@ -158,7 +161,7 @@ def cmd_repro(ns: argparse.Namespace) -> int:
         case = parse_case(ns.case)
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from None
-    runner = Runner(ns.target, ns.device, ns.collective_timeout)
+    runner = Runner(ns.target, ns.device, ns.collective_timeout, pools=ns.pools)
     try:
         _, findings = runner.check(case)
     finally:
@@ -194,9 +197,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, pools: dict | None = None) -> int:
+    """`pools`: worker pools to reuse (the test suite passes its session pools); default: own ones."""
     parser = build_parser()
     ns = parser.parse_args(argv)  # exits 2 on usage errors, with argparse's message
+    ns.pools = pools
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl-C must stop the run and its pools even when started with SIGINT ignored (as
+        # background jobs of a non-interactive shell are).
+        signal.signal(signal.SIGINT, pool.on_sigint)
     try:
         return ns.func(ns)
     except (TargetError, UsageError, PoolStartError) as e:

@@ -118,7 +118,8 @@ def cmd_mutate(ns: argparse.Namespace) -> int:
         from harness.cli import UsageError
 
         raise UsageError(f"unknown mutant(s) {', '.join(unknown)}; see --list")
-    pools: dict[int, WorkerPool] = {}
+    own = ns.pools is None
+    pools: dict[int, WorkerPool] = {} if own else ns.pools
     start = time.perf_counter()
     try:
         hunter = None
@@ -129,7 +130,7 @@ def cmd_mutate(ns: argparse.Namespace) -> int:
         results = run_catalog(ns.mutants or None, ns.tp, pools, ns.budget, ns.seed, ns.collective_timeout,
                               baseline_hunter=hunter)
     finally:
-        for pool in pools.values():
+        for pool in pools.values() if own else ():
             pool.close()
     matrix = kill_matrix(results)
     print(matrix)

@@ -18,6 +18,7 @@ import signal
 import tempfile
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -72,7 +73,11 @@ def _worker_main(rank: int, world: int, store_dir: str, conn: Connection, backen
                                 timeout=timedelta(seconds=timeout_s))
         from megatron.core import parallel_state
 
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+        # megatron-core gives its groups their own timeout (30 minutes by default): pass ours on,
+        # or a collective on the TP group could outwait every deadline.
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world,
+                                                 distributed_timeout_minutes=timeout_s / 60.0,
+                                                 create_gloo_process_groups=False)
     except Exception:
         conn.send(("failed", traceback.format_exc(limit=4)))
         return
@@ -119,7 +124,9 @@ class WorkerPool:
         if self.start_method == "fork":
             # Imported once here, inherited by every fork: a rebuilt pool starts in a fraction of
             # a second instead of re-importing megatron-core in each rank.
-            import megatron.core.parallel_state  # noqa: F401
+            with warnings.catch_warnings():  # optional-dependency notices, not ours to show
+                warnings.simplefilter("ignore")
+                import megatron.core.parallel_state  # noqa: F401
         ctx = mp.get_context(self.start_method)
         self.store_dir = tempfile.mkdtemp(prefix=f"harness-tp{self.tp}-")
         for rank in range(self.tp):
@@ -169,6 +176,7 @@ class WorkerPool:
                         continue  # it answered before exiting: read the answer first
                     pending.pop(conn, None)
                     sentinels.pop(obj)
+                    self.procs[r].join(1.0)  # reap it, so the exit code is known
                     code = self.procs[r].exitcode
                     replies[r] = RankResult(r, error=f"rank {r} died (exit code {code})", error_kind="died")
         for r in range(self.tp):
@@ -180,6 +188,8 @@ class WorkerPool:
 
     def call(self, fn_path: str, args_per_rank: list[tuple], deadline_s: float) -> list[Any]:
         """Run `fn_path(ctx, *args)` on every rank; rebuild the pool if any rank failed to answer."""
+        if _interrupted:
+            raise KeyboardInterrupt  # the first one was swallowed (e.g. raised inside a finalizer)
         for conn, args in zip(self.conns, args_per_rank):
             try:
                 conn.send((fn_path, args))
@@ -228,6 +238,16 @@ _LIVE: set[WorkerPool] = set()
 def close_all() -> None:
     for pool in list(_LIVE):
         pool.close()
+
+
+_interrupted = False
+
+
+def on_sigint(signum: int, frame: Any) -> None:
+    """Ctrl-C: raise KeyboardInterrupt now, and again at the next job should this one be swallowed."""
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:

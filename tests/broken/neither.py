@@ -1,0 +1,5 @@
+"""Defines neither contract function."""
+
+
+def something_else(x):
+    return x

@@ -1,0 +1,117 @@
+"""`python -m harness`: exit codes, option validation, findings with repro lines, JSON, shrinking.
+
+The CLI runs in-process on the session's pools (`main(argv, pools=...)`); one test runs it as a
+real subprocess to show that Ctrl-C leaves no process behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cases.case import parse_case
+from harness.cli import main
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.parametrize("argv", [
+    ["check", "--tp", "0"], ["check", "--tp", "two"], ["check", "--tp", ""], ["check", "--profile", "nope"],
+    ["check", "--seed", "-1"], ["check", "--seed", "x"], ["repro"], ["frobnicate"],
+])
+def test_bad_options_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("target, words", [
+    ("tests.broken.neither", "defines neither"),
+    ("tests.broken.bad_signature", "does not match the contract"),
+    ("tests.broken.import_error", "cannot import target"),
+    ("no.such.module", "cannot import target"),
+    ("mutant:no-such-mutant", "unknown mutant"),
+])
+def test_unusable_target_is_a_one_line_error(target, words, capsys, harness_pools):
+    assert main(["check", "--target", target, "--profile", "smoke"], pools=harness_pools) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("harness: error:") and words in err[0]
+
+
+def test_bad_repro_case_is_a_usage_error(capsys, harness_pools):
+    assert main(["repro", "kernel:tp=2,bogus=1"], pools=harness_pools) == 2
+    assert "bad case field" in capsys.readouterr().err
+
+
+def test_clean_routine_passes_smoke_and_writes_json(tmp_path, capsys, harness_pools):
+    out = tmp_path / "r.json"
+    assert main(["check", "--profile", "smoke", "--tp", "1,2", "--json", str(out), "-q"], pools=harness_pools) == 0
+    stdout = capsys.readouterr().out
+    assert "cases/s" in stdout and "0 finding(s)" in stdout
+    data = json.loads(out.read_text())
+    assert data["target"] == "harness.targets.fused" and data["findings"] == []
+    assert data["cases_run"] >= 20 and data["elapsed_s"] > 0
+    assert data["checks"]["values"]["kernel"]["applied"] > 0
+
+
+def test_broken_routine_is_reported_shrunk_with_a_working_repro(tmp_path, capsys, harness_pools):
+    out = tmp_path / "r.json"
+    code = main(["check", "--target", "mutant:missing-allreduce-sumexp", "--tp", "2", "--profile", "smoke",
+                 "--json", str(out), "-q"], pools=harness_pools)
+    assert code == 1
+    findings = json.loads(out.read_text())["findings"]
+    values = [f for f in findings if f["check"] == "values"]
+    assert values, findings
+    f = values[0]
+    assert {"check", "level", "case", "message", "repro"} <= set(f)
+    assert "log_prob" in f["message"] and "Mismatched elements" in f["message"]
+    argv = shlex.split(f["repro"])
+    assert argv[:4] == ["python", "-m", "harness", "repro"]
+    capsys.readouterr()
+    assert main(argv[3:], pools=harness_pools) == 1
+    assert "[values]" in capsys.readouterr().out
+
+
+def test_shrinking_reaches_a_small_case(harness_pools):
+    from harness.explore import explore
+    from harness.runner import Runner
+
+    runner = Runner("mutant:missing-allreduce-sumexp", pools=harness_pools)
+    findings = explore(runner, "kernel", [2], max_examples=30, seed=1)
+    values = next(f for f in findings if f.check == "values")
+    case = parse_case(values.case)
+    assert values.shrunk
+    # A missing sum-exp reduction shows on one row, one token per shard, any dtype or regime.
+    assert case.T == 1 and case.v_local <= 4 and case.mask == "none" and case.dtype == "fp32"
+
+
+def test_ctrl_c_stops_the_run_and_leaves_no_process():
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "check", "--profile", "thorough", "--tp", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # wait until the pool is up and cases are running
+            line = proc.stderr.readline()
+            if "randomized cases" in line:
+                break
+        children = _children(proc.pid)
+        assert children, "the pool should be running"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+    finally:
+        proc.kill()
+    time.sleep(0.5)
+    assert not [p for p in children if os.path.exists(f"/proc/{p}")], "workers outlived the run"
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]

@@ -1,0 +1,113 @@
+"""The distributed engine: persistent pools, hang/crash handling, collective traces, no leaks."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from cases.case import KernelCase, WrapperCase, parse_case
+from harness.execute import RankResult
+from harness.runner import Runner
+
+pytestmark = pytest.mark.distributed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes: it holds no resources but its exit status.
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().split(")")[-1].split()[0] != "Z"
+
+
+@pytest.fixture
+def tp2(harness_runner):
+    return harness_runner.pool(2)
+
+
+def test_pool_is_persistent_and_ranks_really_communicate(tp2):
+    first = tp2.run("tests.pool_jobs:whoami")
+    second = tp2.run("tests.pool_jobs:whoami")
+    assert [r for r, _ in first] == [0, 1]
+    assert first == second, "the same processes must serve every job"
+    assert tp2.run("tests.pool_jobs:all_reduce_sum") == [3.0, 3.0]
+
+
+def test_hung_rank_is_named_and_pool_rebuilt(tp2):
+    old = [pid for _, pid in tp2.run("tests.pool_jobs:whoami")]
+    start = time.monotonic()
+    replies = tp2.run("tests.pool_jobs:hang_on", 1, deadline_s=2.0)
+    assert time.monotonic() - start < 15
+    assert replies[0] == 0
+    assert isinstance(replies[1], RankResult) and replies[1].error_kind == "timeout"
+    assert "rank 1" in replies[1].error
+    new = [pid for _, pid in tp2.run("tests.pool_jobs:whoami")]
+    assert set(new).isdisjoint(old), "a hung pool must be replaced"
+    assert not any(_alive(p) for p in old), "the hung rank must not outlive its pool"
+
+
+def test_dead_rank_is_named_and_pool_rebuilt(tp2):
+    replies = tp2.run("tests.pool_jobs:die_on", 0, deadline_s=10.0)
+    assert isinstance(replies[0], RankResult) and replies[0].error_kind == "died"
+    assert "rank 0 died (exit code 3)" in replies[0].error
+    assert tp2.run("tests.pool_jobs:all_reduce_sum") == [3.0, 3.0]
+
+
+def test_raising_rank_is_reported_and_pool_keeps_working(tp2):
+    replies = tp2.run("tests.pool_jobs:raise_on", 1)
+    assert replies[0] == 0 and "ValueError: boom" in replies[1].error
+    assert tp2.run("tests.pool_jobs:all_reduce_sum") == [3.0, 3.0]
+
+
+def test_extra_all_reduce_on_rank0_is_a_collectives_finding(harness_pools):
+    """Issue 3: rank 0 issues one extra all-reduce in one configuration (odd-sized chunks)."""
+    runner = Runner("mutant:rank-divergent-collective", collective_timeout_s=5, pools=harness_pools)
+    start = time.monotonic()
+    _, findings = runner.check(KernelCase(tp=2, T=3, v_local=4, with_entropy=True, seed=1))
+    assert time.monotonic() - start < 30, "the divergent case must end within the timeouts"
+    checks = {f.check: f for f in findings}
+    assert "collectives" in checks
+    msg = checks["collectives"].message
+    assert "rank 0 issued" in msg and "rank 1 issued" in msg and "first difference" in msg
+    # Even configurations issue matching collectives: no finding, and the rebuilt pool serves them.
+    _, findings = runner.check(KernelCase(tp=2, T=4, v_local=4, with_entropy=True, seed=1))
+    assert not findings
+    pids = [pid for _, pid in harness_pools[2].run("tests.pool_jobs:whoami")]
+    assert all(_alive(p) for p in pids)
+
+
+def test_trace_records_every_collective_of_the_builtin(harness_runner):
+    ev = harness_runner.execute(KernelCase(tp=2, T=6, v_local=4, chunk_size=4, mask="random", seed=3))
+    ops = [e[0] for e in ev.ranks[0].trace]
+    # Two chunks x (max, sumexp, target, masked max, masked sumexp, entropy).
+    assert ops == ["all_reduce"] * 12
+    assert all(e[1] == 2 for e in ev.ranks[0].trace)
+    assert ev.ranks[0].trace == ev.ranks[1].trace
+
+
+def test_forward_observations_survive_a_backward_crash(harness_pools):
+    """A routine that fails only in backward still gets its forward values checked."""
+    runner = Runner("mutant:shard-boundary-off-by-one", collective_timeout_s=5, pools=harness_pools)
+    _, findings = runner.check(parse_case("kernel:tp=2,T=6,v_local=7,seed=1754"))
+    assert {"crash", "values"} <= {f.check for f in findings}
+
+
+def test_case_results_are_cached_per_runner(harness_runner):
+    case = WrapperCase(tp=2, v_local=3, total_lengths=(4,), response_lengths=(2,), seed=5)
+    harness_runner.check(case)  # the case and any twins its checks ask for
+    before = harness_runner.cases_run
+    harness_runner.check(case)
+    assert harness_runner.cases_run == before
+
+
+def test_closed_pool_leaves_no_process():
+    from harness.pool import WorkerPool
+
+    # A private pool on purpose: this test is about a pool's own shutdown.
+    pool = WorkerPool(2)
+    pids = [pid for _, pid in pool.run("tests.pool_jobs:whoami")]
+    pool.close()
+    assert not any(_alive(p) for p in pids)
