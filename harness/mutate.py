@@ -3,7 +3,7 @@ kill matrix. Exit 0 only when every mutant is killed by a check meant to catch i
 routine has no finding.
 
 Each mutant is hunted with the regression corpus first, then with randomized cases (no shrinking),
-and the hunt stops as soon as an expected check fires. All mutants share one set of pools.
+and the hunt stops as soon as every expected check has fired. All mutants share one set of pools.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class HuntResult:
 
 def hunt(spec: str, name: str, expected: tuple[str, ...], tps: list[int], pools: dict[int, WorkerPool],
          budget: int, seed: int, collective_timeout_s: float) -> HuntResult:
-    """Corpus, then up to `budget` random cases per level, stopping once an expected check fires."""
+    """Corpus, then up to `budget` random cases per level, stopping once every expected check fired."""
     runner = Runner(spec, collective_timeout_s=collective_timeout_s, pools=pools)
     result = HuntResult(name, expected)
     start = time.perf_counter()
@@ -53,7 +53,9 @@ def hunt(spec: str, name: str, expected: tuple[str, ...], tps: list[int], pools:
             result.fired.setdefault(f.check, f)
 
     def done(_: list[Finding] | None = None) -> bool:
-        return bool(expected) and any(c in result.fired for c in expected)
+        # Hunt on until every check meant to catch it has: "killed by the right check" is then
+        # shown for each of them, not only for the first to fire.
+        return bool(expected) and all(c in result.fired for c in expected)
 
     record(run_corpus(runner, tps, stop=lambda fs: (record(fs), done())[1]))
     for level in runner.target.levels:

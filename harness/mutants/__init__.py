@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from typing import Callable
 
 from harness.targets import TargetError
+from harness.targets import fused
 from harness.targets.fused import FusedLogProbEntropy
 
 
@@ -57,5 +58,7 @@ def mutant_namespace(name: str) -> SimpleNamespace:
     if entry is None:
         raise TargetError(f"unknown mutant {name!r}; `python -m harness mutate --list` lists them")
     routine = entry.routine()
+    # A mutant is held to the built-in routine's declared budget: exceeding it is a defect too.
     return SimpleNamespace(calculate_log_probs_and_entropy=routine.calculate_log_probs_and_entropy,
-                           get_log_probs_and_entropy=routine.get_log_probs_and_entropy)
+                           get_log_probs_and_entropy=routine.get_log_probs_and_entropy,
+                           HARNESS_MEMORY_BUDGET=fused.HARNESS_MEMORY_BUDGET)

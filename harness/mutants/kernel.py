@@ -22,7 +22,7 @@ for _stat in ("max", "sumexp", "target_logit", "entropy_term"):
            ("values",), "ms-swift #9947 (a reduction missing across vocab shards)", tp=TP_ONLY)(_skip_stat(_stat))
 
 
-@mutant("wrong-shard-offset", "wrong shard offsets", ("values", "gradients"), tp=TP_ONLY)
+@mutant("wrong-shard-offset", "wrong shard offsets", ("values", "gradients", "tp-invariance"), tp=TP_ONLY)
 class WrongShardOffset(Fused):
     def shard_start(self, rank, v_local):
         return 0  # every rank believes it owns the first shard
@@ -48,7 +48,7 @@ class ChunksReordered(Fused):
         return super().concat(list(reversed(parts)), empty_like)
 
 
-@mutant("mask-applied-to-entropy", "keep mask applied to the entropy", ("values",))
+@mutant("mask-applied-to-entropy", "keep mask applied to the entropy", ("values", "wrapper-entropy"))
 class MaskAppliedToEntropy(Fused):
     def entropy_inputs(self, unmasked, masked):
         return masked
@@ -93,7 +93,7 @@ class LowPrecisionMath(Fused):
         return logits.dtype
 
 
-@mutant("entropy-grad-sign", "entropy-gradient sign error", ("gradients",))
+@mutant("entropy-grad-sign", "entropy-gradient sign error", ("gradients", "wrapper-gradients"))
 class EntropyGradSign(Fused):
     def entropy_grad_term(self, p, log_p, entropy):
         return -super().entropy_grad_term(p, log_p, entropy)
@@ -119,3 +119,11 @@ class RankDivergentCollective(Fused):
             # Rank 0 alone issues one more all-reduce, on odd-sized chunks only.
             self.all_reduce(torch.zeros(1), dist.ReduceOp.SUM, group, "entropy_term")
         return super().entropy(x, e, m, s, group)
+
+
+@mutant("fp16-rejected", "a supported input dtype rejected", ("crash",))
+class Fp16Rejected(Fused):
+    def upcast(self, chunk):
+        if chunk.dtype == torch.float16:
+            raise TypeError("float16 logits are not supported")
+        return super().upcast(chunk)

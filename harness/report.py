@@ -1,0 +1,118 @@
+"""`check --report FILE.html|FILE.md`: the run's result JSON rendered for people.
+
+HTML: one self-contained page (images embedded as data: URIs, no network) with the summary, the
+findings and their repros, per check the error measured against the tolerance allowed, memory per
+configuration against the budget, and performance before/after a baseline. Markdown: the same as
+text tables, for a PR comment (no images: PR comments do not show data: URIs).
+
+The result JSON is the one source of both: `finish` first adds to it the one figure the checks do
+not (memory per configuration, summarized from the runner's cases), and the reports are rendered
+from the dict alone, so a saved `--json` file renders the same report (`render_html(json.load(f))`).
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from cases.case import Case
+from harness import memory, report_view
+from harness.checks import Evidence
+from harness.report_plots import baseline_figure, margin_figure, memory_figure, png_uri
+from harness.runner import Finding, Runner
+
+SUFFIXES = (".html", ".md")
+
+
+def report_path(text: str) -> Path:
+    path = Path(text)
+    if path.suffix not in SUFFIXES:
+        raise argparse.ArgumentTypeError(f"--report writes {' or '.join(SUFFIXES)} files, got {text!r}")
+    return path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--report", type=report_path, action="append", default=[], metavar="FILE",
+                        help="write a report: FILE.html (self-contained page with plots) or FILE.md "
+                             "(for a PR comment); repeatable")
+
+
+def finish(ns: argparse.Namespace, runner: Runner, result: dict[str, Any]) -> list[Finding]:
+    """Adds the memory figures per configuration to the result (so `--json` carries what the
+    report shows), then writes each report asked for."""
+    result["memory_by_config"] = memory_by_config(runner.executed(), runner.target.memory_budget)
+    for path in ns.report:
+        write_report(path, result)
+    return []
+
+
+def memory_mode(case: Case) -> str:
+    if not case.with_entropy:
+        return "log-prob only"
+    return "differentiable entropy" if case.expects_entropy_grad else "metric-only entropy"
+
+
+def memory_config(case: Case) -> str:
+    """Configurations as memory differs: per-rank bytes in units of T*V_local*4 do not depend on
+    the TP size, they do on the input dtype and on what the entropy costs."""
+    dtype = f" {case.dtype}" if case.level == "kernel" else ""
+    return f"{case.level}{dtype}, {memory_mode(case)}"
+
+
+def memory_by_config(executed: list[Evidence], budget: dict[str, float]) -> dict[str, Any] | None:
+    """The worst of each memory figure per configuration, over the cases run and their ranks, in
+    multiples of T*V_local*4 bytes beyond the O(T) the budget check allows (`harness.memory.slack`):
+    the same scale as HARNESS_MEMORY_BUDGET, so a figure above its budget fails `memory-budget`.
+    None when no case was measured."""
+    configs: dict[str, dict[str, Any]] = {}
+    for ev in executed:
+        case = ev.case
+        figures = [r.obs.get("memory") for r in ev.ranks]
+        if case.T == 0 or ev.failed_ranks or not all(figures):
+            continue
+        unit, slack = memory.unit(case.T, case.v_local), memory.slack(case.T)
+        row = configs.setdefault(memory_config(case), {"cases": 0, "worst": {}})
+        row["cases"] += 1
+        for meter in memory.METERS:
+            got = [f[meter] for f in figures if f.get(meter) is not None]
+            if not got:
+                continue
+            value = max(0.0, (max(got) - slack) / unit)
+            if value >= row["worst"].get(meter, {"value": -1.0})["value"]:
+                row["worst"][meter] = {"value": round(value, 4), "case": case.spec()}
+    if not configs:
+        return None
+    return {"budget": dict(budget), "configs": {name: configs[name] for name in sorted(configs)}}
+
+
+def write_report(path: Path, result: dict[str, Any]) -> None:
+    text = render_html(result) if path.suffix == ".html" else render_markdown(result)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+
+
+def _environment(autoescape: bool) -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.PackageLoader("harness", "templates"), autoescape=autoescape,
+                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
+                             keep_trailing_newline=True)
+    env.filters["md_cell"] = lambda s: str(s).replace("|", "\\|").replace("\n", " ")
+    env.filters["num"] = report_view.fmt_number
+    env.filters["margin"] = report_view.fmt_margin
+    return env
+
+
+def render_html(result: dict[str, Any]) -> str:
+    view = report_view.view(result)
+    compared = view["baseline"] and view["baseline"]["rows"]
+    figures = {
+        "margins": {name: png_uri(margin_figure(name, groups)) for name, groups in view["margins"].items()},
+        "memory": png_uri(memory_figure(view["memory"])) if view["memory"] else None,
+        "baseline": png_uri(baseline_figure(view["baseline"])) if compared else None,
+    }
+    return _environment(autoescape=True).get_template("report.html.j2").render(v=view, fig=figures)
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    return _environment(autoescape=False).get_template("report.md.j2").render(v=report_view.view(result))

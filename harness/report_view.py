@@ -1,0 +1,155 @@
+"""What the reports show, computed from the result dict alone (the JSON of `check --json`).
+
+Sections that a run did not measure (memory, a baseline) come out as None; the templates say
+"not measured" for them.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+LEVELS = ("kernel", "wrapper")
+NEAR = 0.5  # error/tolerance above this is close enough to the line to be worth a look
+SHOWN_LINES = 4  # lines of a finding's message shown before "full message"
+
+
+def fmt_number(x: float | int | None) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, int):
+        return f"{x:,}"
+    if x == 0:
+        return "0"
+    if not math.isfinite(x):
+        return str(x)
+    return f"{x:.3g}" if abs(x) < 1000 else f"{x:,.0f}"
+
+
+def fmt_margin(x: float | None) -> str:
+    """Error/tolerance: below 1e-4 the error is rounding noise, not a figure worth reading."""
+    if x is None:
+        return "-"
+    return "<1e-4" if x < 1e-4 else fmt_number(x)
+
+
+def group_order(name: str) -> tuple:
+    """Configurations in reading order: level, then TP size numerically, then the rest."""
+    tp = re.search(r"-tp(\d+)", name)
+    return (name.split("-")[0], int(tp.group(1)) if tp else 0, name)
+
+
+def margin_state(margin: float | None) -> str:
+    if margin is None:
+        return "none"
+    return "bad" if margin > 1 else "near" if margin > NEAR else "ok"
+
+
+def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per check: applied/failed per level, the worst error/tolerance and where it was."""
+    failing = {f["check"] for f in result["findings"]}
+    rows = []
+    for name, per_level in result["checks"].items():
+        worst, worst_group = None, None
+        for stats in per_level.values():
+            for group, values in _groups(stats).items():
+                top = max(values, default=None)
+                if top is not None and (worst is None or top > worst):
+                    worst, worst_group = top, group
+        rows.append({
+            "check": name,
+            "cells": {lvl: per_level.get(lvl) for lvl in LEVELS},
+            "failed": name in failing or any(s["failed"] for s in per_level.values()),
+            "margin": worst, "margin_state": margin_state(worst), "worst_group": worst_group,
+        })
+    for name in dict.fromkeys(f["check"] for f in result["findings"]):
+        if name not in result["checks"]:  # a feature's own check (a baseline gate): no per-case stats
+            rows.append({"check": name, "cells": {lvl: None for lvl in LEVELS}, "failed": True,
+                         "margin": None, "margin_state": "none", "worst_group": None})
+    return sorted(rows, key=lambda r: not r["failed"])  # failing checks first; otherwise run order
+
+
+def _groups(stats: dict[str, Any]) -> dict[str, list[float]]:
+    # Results written before margins were tagged by configuration keep one untagged group.
+    if "margins_by_group" in stats:
+        return stats["margins_by_group"]
+    return {"all cases": stats["margins"]} if stats.get("margins") else {}
+
+
+def margins(result: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
+    """Per check with measured errors: {configuration: [error/tolerance, ...]}, configurations in order."""
+    out = {}
+    for name, per_level in result["checks"].items():
+        merged: dict[str, list[float]] = {}
+        for stats in per_level.values():
+            for group, values in _groups(stats).items():
+                merged.setdefault(group, []).extend(values)
+        if any(merged.values()):
+            out[name] = {g: merged[g] for g in sorted(merged, key=group_order) if merged[g]}
+    return out
+
+
+def findings(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each finding with its first lines (torch.testing's: what, how many, how far off) up front."""
+    out = []
+    for f in result["findings"]:
+        lines = [line for line in f["message"].strip().splitlines() if line.strip()] or [""]
+        out.append({**f, "headline": lines[0], "lead": lines[:SHOWN_LINES],
+                    "more": len(lines) > SHOWN_LINES or any(len(line) > 300 for line in lines)})
+    return out
+
+
+def view(result: dict[str, Any]) -> dict[str, Any]:
+    rows = summary(result)
+    figs = margins(result)
+    return {
+        "target": result["target"],
+        "levels": [lvl for lvl in LEVELS if lvl in result["levels"]],
+        "missing_features": sorted(k for k, ok in result.get("capabilities", {}).items() if not ok),
+        "run": {k: result.get(k) for k in ("profile", "seed", "tp", "cases_run", "elapsed_s", "cases_per_s")},
+        "summary": rows,
+        "checks_failed": len({f["check"] for f in result["findings"]}),
+        "findings": findings(result),
+        "margins": {r["check"]: figs[r["check"]] for r in rows if r["check"] in figs},  # summary order
+        "memory": memory(result),
+        "baseline": baseline(result),
+        "baseline_saved": result.get("baseline_saved"),
+    }
+
+
+MEMORY_METERS = (("retained", "retained after forward"), ("peak_forward", "peak in forward"),
+                 ("peak_backward", "peak in backward"))
+MEMORY_UNIT = "x T*V_local*4 bytes per rank, beyond the O(T) allowance"
+
+
+def memory(result: dict[str, Any]) -> dict[str, Any] | None:
+    data = result.get("memory_by_config")
+    if not data:
+        return None
+    budget = data["budget"]
+    rows = []
+    for name, row in data["configs"].items():
+        values = {m: w["value"] for m, w in row["worst"].items()}
+        over = [m for m, v in values.items() if m in budget and v > budget[m]]
+        top = max(row["worst"], key=lambda m: values[m] / budget.get(m, 1.0), default=None)  # nearest its budget
+        rows.append({"config": name, "cases": row["cases"], "values": values, "over": bool(over),
+                     "case": row["worst"][top]["case"] if top else ""})
+    declared = ", ".join(f"{m} {v:g}" for m, v in budget.items())
+    return {"rows": rows, "budget": budget, "meters": MEMORY_METERS, "unit": MEMORY_UNIT,
+            "note": f"Budget declared by the target (HARNESS_MEMORY_BUDGET): {declared}." if budget
+            else "The target declares no budget (HARNESS_MEMORY_BUDGET)."}
+
+
+def baseline(result: dict[str, Any]) -> dict[str, Any] | None:
+    """The comparison `check --baseline FILE` adds (harness.baseline): one row per case and metric."""
+    data = result.get("baseline")
+    if not data:
+        return None
+    rows = data.get("rows", [])  # none when nothing could be compared: the note says why
+    metrics = list(dict.fromkeys(r["metric"] for r in rows))
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    cell = {(r["case"], r["metric"]): r for r in rows}
+    grid = [{"case": c, "bad": any(cell[c, m]["bad"] for m in metrics if (c, m) in cell),
+             "cells": [cell.get((c, m)) for m in metrics]} for c in cases]
+    return {"note": data.get("note", ""), "rows": rows, "decision_line": data.get("decision_line"),
+            "metrics": metrics, "cases": cases, "grid": grid}

@@ -1,0 +1,104 @@
+"""Cases: specs round-trip, inputs are deterministic and shard-consistent, strategies cover the
+required corners, and the regression corpus names real checks."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cases.case import KernelCase, WrapperCase, parse_case
+from cases.corpus import CORPUS
+from cases.strategies import kernel_cases, wrapper_cases
+from harness.checks import all_checks
+
+
+@given(st.one_of(kernel_cases(), wrapper_cases()))
+def test_spec_round_trips(case):
+    assert parse_case(case.spec()) == case
+
+
+def test_signed_zero_and_absent_survive_the_spec():
+    w = WrapperCase(tp=2, v_local=3, total_lengths=(3,), response_lengths=(1,), entropy_coef=-0.0, temperature=None)
+    back = parse_case(w.spec())
+    assert back.temperature is None and math.copysign(1.0, back.entropy_coef) == -1.0
+
+
+@pytest.mark.parametrize("spec", ["nonsense", "kernel:tp=2,bogus=1", "kernel:tp"])
+def test_bad_spec_is_a_value_error(spec):
+    with pytest.raises(ValueError):
+        parse_case(spec)
+
+
+def test_inputs_are_deterministic_and_independent_of_tp():
+    a = KernelCase(tp=2, T=9, v_local=6, mask="random", regime="peaked", seed=11).inputs()
+    b = KernelCase(tp=4, T=9, v_local=3, mask="random", regime="peaked", seed=11).inputs()
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.tokens, b.tokens)
+    assert torch.equal(a.keep_mask, b.keep_mask)
+
+
+def test_tokens_hit_the_edges_of_every_shard():
+    case = KernelCase(tp=4, T=16, v_local=5)
+    tokens = set(case.inputs().tokens.tolist())
+    edges = {i for r in range(4) for i in (5 * r, 5 * r + 4)}
+    assert edges <= tokens
+
+
+def test_neginf_regime_keeps_targets_finite():
+    inp = KernelCase(tp=1, T=20, v_local=7, regime="neginf", seed=3).inputs()
+    assert torch.isneginf(inp.logits).any()
+    assert torch.isfinite(inp.logits[torch.arange(20), inp.tokens]).all()
+
+
+def test_mask_kinds():
+    only = KernelCase(tp=1, T=5, v_local=4, mask="only_target").inputs()
+    assert not only.keep_mask.any()
+    drop = KernelCase(tp=1, T=5, v_local=4, mask="drop_target").inputs()
+    assert not drop.keep_mask[torch.arange(5), drop.tokens].any()
+
+
+def test_partial_top_p_has_rows_and_samples_without_a_nucleus():
+    w = WrapperCase(tp=1, v_local=6, total_lengths=(8, 8), response_lengths=(5, 6), top_p="partial", seed=4).inputs()
+    assert w.top_p_token_ids[0] is None
+    sizes = w.top_p_token_offsets[1].diff()
+    assert (sizes == 0).any() and (sizes > 0).any()
+
+
+@settings(max_examples=300, derandomize=True)
+@given(kernel_cases())
+def test_kernel_strategy_covers_the_corners(case):
+    _seen.setdefault("T", set()).add(case.T)
+    _seen.setdefault("v", set()).add(case.v_local)
+    _seen.setdefault("chunk", set()).add("whole" if case.chunk_size < 0 else "over" if case.chunk_size > case.T
+                                          else "one" if case.chunk_size == 1 else "part")
+    for field in ("dtype", "regime", "mask", "tp"):
+        _seen.setdefault(field, set()).add(getattr(case, field))
+
+
+_seen: dict[str, set] = {}
+
+
+def test_corners_were_drawn():
+    test_kernel_strategy_covers_the_corners()
+    assert {0, 1} <= _seen["T"] and _seen["T"] & {5, 7, 11, 13}
+    assert 1 in _seen["v"] and _seen["v"] & {3, 5, 7, 13}
+    assert _seen["chunk"] == {"whole", "over", "one", "part"}
+    assert _seen["dtype"] == {"fp32", "bf16", "fp16"} and _seen["tp"] == {1, 2, 4}
+    assert _seen["regime"] == {"normal", "peaked", "huge", "ties", "neginf"}
+    assert _seen["mask"] == {"none", "random", "drop_target", "only_target"}
+
+
+def test_corpus_entries_name_registered_checks_and_are_unique():
+    names = [e.name for e in CORPUS]
+    assert len(names) == len(set(names))
+    for e in CORPUS:
+        assert e.check in all_checks(), e
+        assert e.history
+
+
+def test_corpus_runs_clean_on_the_builtin(harness_runner):
+    from harness.explore import run_corpus
+
+    assert run_corpus(harness_runner, [1, 2, 4]) == []
