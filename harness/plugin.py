@@ -28,16 +28,72 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--collective-timeout", type=float, default=20.0, help="seconds per collective")
 
 
+def _tp_sizes(config: pytest.Config) -> list[int]:
+    try:
+        sizes = sorted({int(p) for p in config.getoption("--tp").split(",") if p.strip()})
+    except ValueError:
+        raise pytest.UsageError(f"--tp takes comma-separated integers, got {config.getoption('--tp')!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise pytest.UsageError("--tp sizes must be positive")
+    return sizes
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> int | None:
+    """Under torchrun: rank 0 runs the session, its pools are the launched ranks; the other ranks
+    only serve rank 0's jobs (no collection, no output) and exit with its exit code."""
+    from harness import launched
+
+    if not launched.active():
+        return None
+    try:
+        world = launched.start(_tp_sizes(config), config.getoption("--device"),
+                               config.getoption("--collective-timeout"))
+    except (pytest.UsageError, launched.LaunchError) as e:
+        if launched.rank() == 0:
+            raise pytest.UsageError(str(e)) from None
+        return pytest.ExitCode.USAGE_ERROR  # rank 0 says why
+    if launched.rank() != 0:
+        return world.serve()
+    config.harness_launched = world
+    return None
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    session.config.harness_exitstatus = int(exitstatus)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    world = getattr(config, "harness_launched", None)
+    if world is not None:  # release the serving ranks with this session's exit code
+        world.stop(getattr(config, "harness_exitstatus", pytest.ExitCode.INTERNAL_ERROR))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     for name, doc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
     config.harness_profile = load_for_pytest(config.getoption("--profile"))
+    config.harness_tp = _tp_sizes(config)
+    if config.getoption("--device") == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise pytest.UsageError("--device cuda, but CUDA is not available (leave --device out: gpu tests skip)")
+
+
+def pytest_report_header(config: pytest.Config) -> list[str] | None:
+    """Say what is checked, and what the target does not provide (its cases are not drawn)."""
+    from harness.targets import TargetError, load_target
+
     try:
-        config.harness_tp = sorted({int(p) for p in config.getoption("--tp").split(",") if p.strip()})
-    except ValueError:
-        raise pytest.UsageError(f"--tp takes comma-separated integers, got {config.getoption('--tp')!r}") from None
-    if not config.harness_tp or min(config.harness_tp) < 1:
-        raise pytest.UsageError("--tp sizes must be positive")
+        target = load_target(config.getoption("--target"))
+    except TargetError:
+        return None  # collection reports it, as an error (exit 2)
+    lines = [f"harness: target {target.spec}, levels {', '.join(target.levels)}, TP {config.harness_tp}, "
+             f"profile {config.harness_profile.name}"]
+    lines += [f"harness: target provides no {feature}: cases needing it are not drawn"
+              for feature, ok in sorted(target.capabilities.items()) if not ok]
+    return lines
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

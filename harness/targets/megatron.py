@@ -1,0 +1,51 @@
+"""megatron-core's `tensor_parallel.vocab_parallel_cross_entropy` as a log-prob-only kernel target.
+
+Megatron's vocab-parallel cross entropy is the peer most RL trainers start from: the loss is
+`log(sum exp x) - x[target]` over the TP-sharded vocab, so `log_prob = -loss` (label smoothing 0).
+It computes no entropy and takes no keep mask, and says so through `HARNESS_CAPABILITIES`: the
+harness then draws no case that needs either. It takes its group from `megatron.core.parallel_state`,
+not from an argument, and has no row chunking: `chunk_size` (a memory knob whose value must not
+change the results) is accepted and ignored. Calling it once per chunk on views of one float32
+tensor would not work: its in-place writes to the input (below) bump the shared version counter and
+the first chunk's backward fails.
+
+The adapter adds nothing else: it hands megatron the caller's tensor as a trainer would, so the
+checks see megatron's own behaviour. On float32 input they find the in-place writes of
+Megatron-LM PR #1594 (`.float()` is a no-op there, so `-=`, `exp(out=)` and `div_` overwrite the
+caller's logits with the softmax): `input-integrity` fails for fp32 cases, every log-prob check passes.
+"""
+from __future__ import annotations
+
+import torch
+
+HARNESS_CAPABILITIES = {"entropy": False, "keep_mask": False}
+
+
+def _megatron_group():
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("megatron's vocab_parallel_cross_entropy takes its TP group from "
+                           "megatron.core.parallel_state: call initialize_model_parallel first")
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
+                                    log_prob_keep_mask=None, with_entropy_grad=True):
+    """Level 1 kernel over megatron-core: `(log_prob [T] float32, None)`."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    if with_entropy:
+        raise NotImplementedError("megatron vocab_parallel_cross_entropy computes no entropy "
+                                  "(HARNESS_CAPABILITIES['entropy'] is False)")
+    if log_prob_keep_mask is not None:
+        raise NotImplementedError("megatron vocab_parallel_cross_entropy takes no keep mask "
+                                  "(HARNESS_CAPABILITIES['keep_mask'] is False)")
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [T, V_local], got {tuple(logits.shape)}")
+    group = _megatron_group()
+    if tp_group is not None and tp_group is not group:
+        raise ValueError("megatron's vocab_parallel_cross_entropy only reduces over parallel_state's "
+                         "TP group; a different tp_group cannot be honoured")
+    tokens = tokens.reshape(-1).to(device=logits.device, dtype=torch.long)
+    return -vocab_parallel_cross_entropy(logits, tokens), None
