@@ -135,7 +135,7 @@ def run_wrapper(case: WrapperCase, target: Target, rank: int, device: torch.devi
         obs["grad"] = _detached(logits.grad[0]) if logits.grad is not None else None
         obs["integrity"] += integrity.problems("backward")
     obs["memory"] = meter.figures
-    if case.chunk_size > 0 and case.top_p == "none" and case.temperature in (None, 1.0) and target.kernel is not None:
+    if memory.compares_kernel(case, target):
         obs["memory"]["kernel"] = memory.kernel_figures(case, target, logits, tp_group(), device)
     obs["stage"] = "backward"
 

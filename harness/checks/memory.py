@@ -1,6 +1,6 @@
 """Memory checks: invariants that hold for every correct routine whatever its design, and the
-budget a target declares. Figures come from `harness.memory` (docs/memory.md); every comparison
-allows `memory.slack(T)` bytes, the O(T) of the contract.
+budget a target declares. Figures come from `harness.memory` (docs/memory.md); comparisons allow
+`memory.slack(T)` bytes and budgets `memory.budget_slack(T)`: the O(T) of the contract.
 
 Chunking is not asserted to lower the peak: in eager autograd the backward of row slices allocates
 full-size gradients, and a routine that saves its whole softmax has the same retained bytes with
@@ -77,11 +77,7 @@ def coef_zero(ev: Evidence) -> list[str]:
     return _compare_retained(ev, ev.twins["memory-coef-zero"], "with_entropy=False")
 
 
-def _passthrough_applies(c: WrapperCase, t: Any) -> bool:
-    return c.T > 0 and c.chunk_size > 0 and c.top_p == "none" and c.temperature in (None, 1.0) and t.kernel is not None
-
-
-@check("memory-chunk-passthrough", levels=("wrapper",), applies=_passthrough_applies)
+@check("memory-chunk-passthrough", levels=("wrapper",), applies=memory.compares_kernel)
 def chunk_passthrough(ev: Evidence) -> list[str]:
     """NeMo-RL #2871: args.log_probs_chunk_size reaches the kernel. The wrapper's retained and peak
     bytes match the target kernel's own at that chunk size on the same rows (temperature 1, no
@@ -130,20 +126,31 @@ def backward_frees(ev: Evidence) -> list[str]:
     return problems
 
 
+def wrapper_allowance(c: Any) -> float:
+    """Units of T*V_local*4 a wrapper case may add to the budget: dividing by a temperature
+    (which must not happen in place) materialises a float32 copy of the logits, which the kernel may
+    save as its input; top-p replay builds a bool keep mask."""
+    if not isinstance(c, WrapperCase):
+        return 0.0
+    return (1.0 if c.temperature not in (None, 1.0) else 0.0) + (0.25 if c.top_p != "none" else 0.0)
+
+
 @check("memory-budget", applies=lambda c, t: c.T > 0 and bool(t.memory_budget))
 def budget(ev: Evidence) -> list[str]:
     """The target's declared HARNESS_MEMORY_BUDGET: each figure (retained, peak_forward,
-    peak_backward) at most its multiple of T*V_local*4 bytes plus O(T); on CUDA the allocator's
-    figures too, with 512 B of allocator rounding per live storage."""
+    peak_backward) at most its multiple of T*V_local*4 bytes plus O(T) (plus, for a wrapper, the
+    temperature copy and the keep mask); on CUDA the allocator's figures too, with 512 B of
+    allocator rounding per live storage."""
     c = ev.case
     unknown = sorted(set(ev.target.memory_budget) - set(memory.METERS))
     if unknown:
         return [f"HARNESS_MEMORY_BUDGET has unknown key(s) {unknown}; known: {list(memory.METERS)}"]
-    unit, allowed_extra = memory.unit(c.T, c.v_local), memory.slack(c.T)
+    unit, allowed_extra = memory.unit(c.T, c.v_local), memory.budget_slack(c.T)
     problems = []
     for r in range(len(ev.ranks)):
         m = _mem(ev, r)
         for meter, mult in ev.target.memory_budget.items():
+            mult = mult + wrapper_allowance(c)
             allowed = int(mult * unit) + allowed_extra
             got = m.get(meter)
             if got is not None and got > allowed:

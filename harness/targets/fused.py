@@ -372,6 +372,10 @@ class FusedLogProbEntropy:
         return torch.empty(0, device=logits.device), res
 
 
+# What the memory checks hold this routine to (docs/memory.md), in units of T * V_local * 4 bytes
+# plus O(T): one saved float32 softmax, and the eager temporaries of an unchunked call.
+HARNESS_MEMORY_BUDGET = {"retained": 1.0, "peak_forward": 9.0, "peak_backward": 9.0}
+
 ROUTINE = FusedLogProbEntropy()
 calculate_log_probs_and_entropy = ROUTINE.calculate_log_probs_and_entropy
 get_log_probs_and_entropy = ROUTINE.get_log_probs_and_entropy

@@ -1,0 +1,404 @@
+"""Memory meters for one call of a target: exact on CPU, allocator-true on CUDA (docs/memory.md).
+
+A `Meter` watches a forward phase and a backward phase. It counts *storages*, once each however
+many tensors view them, and only those the phases allocate or save; the caller's inputs never count.
+
+- An op allocates a storage when one of its outputs lives in a storage that none of its inputs
+  does (a `TorchDispatchMode` sees every op, inside autograd Functions and inside backward).
+- A storage dies when PyTorch frees it: a weak reference to the storage fires then, wherever the
+  last user was (a saved tensor, a ctx attribute, a cache). So a tensor stashed on `ctx` cannot
+  hide: it is alive, and alive is what counts.
+- `saved_tensors_hooks` marks what autograd saved for backward, so findings can say which
+  retained tensors were saved and which were kept some other way.
+- A collective's work object keeps its tensors until a backend thread lets go of it, a moment
+  after the caller has: a race. Collectives are therefore handed aliases of their tensors, and a
+  storage whose only remaining users are such aliases counts as freed, deterministically.
+
+Figures, in bytes:
+- retained: storages alive when the forward returns (outputs included, inputs not);
+- peak_forward: the most bytes alive at once during the forward;
+- peak_backward: the most bytes alive at once during the backward, counting what the forward
+  retained (freeing it early lowers the peak);
+- leftover: of the retained storages, those still alive after the backward, outputs excluded.
+On CUDA the allocator's own figures (`cuda_*`, from `max_memory_allocated`) are added, relative to
+the allocation level when the forward began.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from cases.case import Case, KernelCase, WrapperCase
+
+# The "O(T)" tolerances, in bytes per row plus a constant. Two calls of one routine compared differ
+# by an output or a token vector at most: four float32 vectors. An absolute figure against a budget
+# also holds the per-row temporaries of its peak (ids, masks, row statistics): sixteen.
+ROW_SLACK, CONST_SLACK = 16, 64
+BUDGET_ROW_SLACK, BUDGET_CONST_SLACK = 64, 512
+TOP = 12  # tensors listed per figure (largest first): enough to name any [T, V_local] excess
+CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to this
+METERS = ("retained", "peak_forward", "peak_backward")
+
+
+def slack(T: int) -> int:
+    """The O(T) tolerance of a comparison between two calls (and of what a backward leaves)."""
+    return ROW_SLACK * T + CONST_SLACK
+
+
+def budget_slack(T: int) -> int:
+    """The O(T) added to a declared budget."""
+    return BUDGET_ROW_SLACK * T + BUDGET_CONST_SLACK
+
+
+def unit(T: int, v_local: int) -> int:
+    """Budgets are multiples of one float32 `[T, V_local]` tensor."""
+    return T * v_local * 4
+
+
+def compares_kernel(case: Case, target: Any) -> bool:
+    """Whether a wrapper job also measures the target kernel on its rows (for
+    `memory-chunk-passthrough`): chunked, temperature 1, no top-p, and a kernel to compare with."""
+    return (case.level == "wrapper" and case.T > 0 and case.chunk_size > 0 and case.top_p == "none"
+            and case.temperature in (None, 1.0) and target.kernel is not None)
+
+
+@dataclass(slots=True)
+class Storage:
+    nbytes: int
+    shape: tuple[int, ...]  # of the first tensor seen in it
+    dtype: str
+    op: str  # the op that allocated it ("saved" when only the saved-tensor hook saw it)
+    saved: bool = False  # saved for backward through autograd
+    output: bool = False  # backs a returned tensor
+
+    def describe(self) -> dict[str, Any]:
+        how = "saved" if self.saved else "output" if self.output else "alive"
+        return {"shape": list(self.shape), "dtype": self.dtype, "bytes": self.nbytes, "how": how, "op": self.op}
+
+
+def _key(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, TypeError):  # no storage (sparse, fake, ...)
+        return None
+
+
+def _tensors(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The tensors in nested lists, tuples and dicts (a plain loop: it runs on every op)."""
+    out = [] if out is None else out
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            if isinstance(o, torch.Tensor):
+                out.append(o)
+            elif isinstance(o, (list, tuple, dict)):
+                _tensors(o, out)
+    elif isinstance(obj, dict):
+        _tensors(list(obj.values()), out)
+    return out
+
+
+def _arg_keys(args: tuple, kwargs: dict) -> set[int | None]:
+    """The storages of an op's tensor arguments (flat, or in one level of lists: cat, collectives)."""
+    keys = set()
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            keys.add(_key(a))
+        elif isinstance(a, (list, tuple)):
+            keys.update(_key(b) for b in a if isinstance(b, torch.Tensor))
+    return keys
+
+
+def _top(entries: Any) -> list[dict[str, Any]]:
+    return [e.describe() for e in sorted(entries, key=lambda e: -e.nbytes)[:TOP]]
+
+
+def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+    # With hooks installed autograd skips its own version check, so it is done here, as autograd would.
+    t, version = packed
+    if t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{t.dtype} {list(t.shape)}] is at version {t._version}; expected version {version} instead")
+    return t
+
+
+class Meter(TorchDispatchMode):
+    """Live bytes of every storage allocated or saved during `forward()` and `backward()`."""
+
+    def __init__(self, inputs: Any, device: torch.device):
+        super().__init__()
+        self._inputs = {k for k in map(_key, _tensors(inputs)) if k is not None}
+        self._live: dict[int, Storage] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self._current = 0
+        self._peak = 0
+        self._peak_live: list[Storage] = []
+        self._retained: dict[int, Storage] = {}
+        self._outputs: set[int] = set()
+        self._aliases: dict[int, list[weakref.ref]] = {}  # storage -> aliases handed to collectives
+        self._dead: deque[tuple[int, weakref.ref]] = deque()  # freed, not yet accounted
+        self._cuda = device if device.type == "cuda" else None
+        self._cuda_base = 0
+        self.figures: dict[str, Any] = {}
+
+    # ---------------------------------------------------------------- accounting
+    def _freed(self, key: int, ref: weakref.ref) -> None:
+        # May run on a backend thread (the last user was a collective's work): only queue it.
+        self._dead.append((key, ref))
+
+    def _drain(self) -> None:
+        """Account the frees queued so far, on this thread. The ref, not the key, identifies the
+        storage: a freed storage's key can come back with a new one."""
+        while self._dead:
+            key, ref = self._dead.popleft()
+            if self._refs.get(key) is ref:
+                del self._refs[key]
+                self._current -= self._live.pop(key).nbytes
+
+    def _add(self, key: int, t: torch.Tensor, op: str) -> Storage:
+        st = t.untyped_storage()
+        entry = Storage(st.nbytes(), tuple(t.shape), str(t.dtype).removeprefix("torch."), op)
+        self._live[key] = entry
+        self._refs[key] = weakref.ref(st, partial(self._freed, key))
+        self._current += entry.nbytes
+        self._note_peak()
+        return entry
+
+    def _note_peak(self) -> None:
+        if self._current > self._peak:
+            self._peak = self._current
+            self._peak_live = list(self._live.values())
+
+    def _settle(self) -> None:
+        """Account the queued frees, and count as freed the storages that only collectives' work
+        objects still hold."""
+        self._drain()
+        for key in list(self._aliases):
+            held = sum(1 for ref in self._aliases[key] if ref() is not None)
+            entry = self._live.get(key)
+            if entry is None or not held:
+                del self._aliases[key]
+            elif torch._C._storage_Use_Count(key) <= held + 1:  # + 1: the storage's own Python object
+                del self._aliases[key], self._live[key], self._refs[key]
+                self._current -= entry.nbytes
+
+    def _alias(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            key = _key(obj)
+            if key is None or key not in self._live:
+                return obj
+            alias = obj.detach()
+            self._aliases.setdefault(key, []).append(weakref.ref(alias))
+            return alias
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._alias(o) for o in obj)
+        return obj
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._aliases or self._dead:
+            self._settle()
+        if func.namespace == "c10d":
+            args, kwargs = self._alias(args), {k: self._alias(v) for k, v in kwargs.items()}
+        out = func(*args, **kwargs)
+        if self._dead:
+            self._drain()  # what the op freed, before what it allocated
+        seen = None
+        for t in (out,) if isinstance(out, torch.Tensor) else _tensors(out):
+            key = _key(t)
+            if key is None or key in self._inputs:
+                continue
+            entry = self._live.get(key)
+            if entry is not None:  # written through an alias or out=; it may have been resized
+                grown = t.untyped_storage().nbytes() - entry.nbytes
+                if grown:
+                    entry.nbytes += grown
+                    self._current += grown
+                    self._note_peak()
+                continue
+            if seen is None:
+                seen = _arg_keys(args, kwargs)
+            if key not in seen:
+                self._add(key, t, func.overloadpacket.__name__)
+        return out
+
+    def _pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        self._drain()
+        key = _key(t)
+        if key is not None and key not in self._inputs:
+            entry = self._live.get(key) or self._add(key, t, "saved")
+            entry.saved = True
+        # A detached alias shares storage and version counter but not grad_fn: returning `t` itself
+        # would make a saved output a reference cycle, and keep it alive after backward.
+        return t.detach(), t._version
+
+    # ---------------------------------------------------------------- CUDA allocator
+    def _cuda_start(self, first: bool) -> None:
+        if self._cuda is not None:
+            torch.cuda.synchronize(self._cuda)
+            if first:
+                self._cuda_base = torch.cuda.memory_allocated(self._cuda)
+            torch.cuda.reset_peak_memory_stats(self._cuda)
+
+    def _cuda_stop(self, phase: str) -> None:
+        if self._cuda is not None:
+            torch.cuda.synchronize(self._cuda)
+            self.figures[f"cuda_peak_{phase}"] = torch.cuda.max_memory_allocated(self._cuda) - self._cuda_base
+            if phase == "forward":
+                self.figures["cuda_retained"] = torch.cuda.memory_allocated(self._cuda) - self._cuda_base
+
+    # ---------------------------------------------------------------- phases
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """Meter the call; what it saves for backward is marked through saved_tensors_hooks."""
+        self._cuda_start(first=True)
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack), self:
+            yield
+        self._settle()
+        self._retained = dict(self._live)
+        self._cuda_stop("forward")
+        self.figures.update(retained=self._current, retained_count=len(self._live),
+                            saved=sum(e.nbytes for e in self._live.values() if e.saved),
+                            peak_forward=self._peak, peak_forward_count=len(self._peak_live),
+                            peak_forward_tensors=_top(self._peak_live))
+
+    def outputs(self, *outs: Any) -> None:
+        """Mark the storages of what the call returned (the caller holds them after backward too)."""
+        self._drain()
+        self._outputs = {k for k in map(_key, _tensors(outs)) if k is not None}
+        for k in self._outputs:
+            if k in self._live:
+                self._live[k].output = True
+        self.figures["retained_tensors"] = _top(self._retained.values())
+
+    @contextlib.contextmanager
+    def backward(self) -> Iterator[None]:
+        """Meter a backward through what the forward retained."""
+        self._cuda_start(first=False)
+        self._settle()
+        self._peak, self._peak_live = self._current, list(self._live.values())
+        with self:
+            yield
+        self._settle()
+        self._cuda_stop("backward")
+        # Identity, not key: a freed storage's key can come back with a new storage.
+        left = [e for k, e in self._retained.items() if self._live.get(k) is e and k not in self._outputs]
+        self.figures.update(peak_backward=self._peak, peak_backward_count=len(self._peak_live),
+                            peak_backward_tensors=_top(self._peak_live),
+                            leftover=sum(e.nbytes for e in left), leftover_tensors=_top(left))
+
+
+# -------------------------------------------------------------------- kernel figures in a wrapper job
+def kernel_figures(case: WrapperCase, target: Any, logits: torch.Tensor, group: Any,
+                   device: torch.device) -> dict[int, dict[str, Any]]:
+    """The target kernel's own figures on the wrapper's rows, at the case's chunk size and
+    unchunked, called as the wrapper calls it (a `[1, T, V_local]` leaf squeezed, shifted targets,
+    the same per-sample losses): what `memory-chunk-passthrough` compares the wrapper with."""
+    import reference
+    from harness import trace
+
+    full = case.inputs()
+    tokens = reference.shifted_targets(full.unconcat_tokens, list(case.total_lengths)).to(device)
+    out = {}
+    for chunk in (case.chunk_size, -1):
+        leaf = logits.detach().clone().requires_grad_(True)
+        meter = Meter((leaf, tokens), device)
+        with trace.recording(), meter.forward():  # its collectives stay out of the job's trace
+            log_prob, entropy = target.kernel(leaf.squeeze(0), tokens, group, with_entropy=case.with_entropy,
+                                              chunk_size=chunk, log_prob_keep_mask=None,
+                                              with_entropy_grad=case.expects_entropy_grad)
+        meter.outputs(log_prob, entropy)
+        loss = _response_loss(case, log_prob, full.w_log_probs, device)
+        if entropy is not None and entropy.requires_grad:
+            loss = loss + _response_loss(case, entropy, full.w_entropy, device)
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            with trace.recording(), meter.backward():
+                loss.backward()
+        out[chunk] = meter.figures
+    return out
+
+
+def _response_loss(case: WrapperCase, values: torch.Tensor, weights: list[torch.Tensor], device: torch.device) -> Any:
+    # Empty responses too: their slices' backward allocates like any other, in the wrapper job as here.
+    flat, loss, offset = values.reshape(-1), 0.0, 0
+    for length, resp, w in zip(case.total_lengths, case.response_lengths, weights):
+        a = offset + length - resp - 1
+        offset += length
+        loss = loss + (flat[a:a + resp] * w.to(device=device, dtype=flat.dtype)).sum()
+    return loss
+
+
+# -------------------------------------------------------------------- for the baseline (issue 6)
+def measure_case(ctx: Any, case: Case, target_spec: str) -> dict[str, Any]:
+    """Rank-side, through `pool.run("harness.memory:measure_case", case, target_spec)`: this rank's
+    figures for one case (`retained_bytes`, `peak_forward_bytes`, `peak_backward_bytes`, plus the
+    `cuda_*` ones on CUDA; `peak_backward_bytes` None without a backward), or `{"error": ...}`
+    when the target raised."""
+    from harness.execute import execute
+    from harness.targets import load_target
+
+    result = execute(case, load_target(target_spec), ctx.rank, ctx.device)
+    if result.error:
+        return {"error": result.error}
+    return figures_of(result.obs["memory"])
+
+
+def figures_of(mem: dict[str, Any]) -> dict[str, Any]:
+    """The scalar figures of one rank's `obs["memory"]`, named as the baseline file names them."""
+    out = {f"{m}_bytes": mem.get(m) for m in METERS}
+    out.update({k: v for k, v in mem.items() if k.startswith("cuda_")})
+    return out
+
+
+# -------------------------------------------------------------------- the docs table
+def _table_cases() -> list[KernelCase]:
+    base = KernelCase(tp=1, T=256, v_local=4096, seed=5)
+    cases = []
+    for dtype in ("fp32", "bf16"):
+        for mask in ("none", "random"):
+            for mode in ("log-prob", "metric-only", "entropy-grad"):
+                for chunk in (-1, 32):
+                    cases.append(base.replace(dtype=dtype, mask=mask, chunk_size=chunk,
+                                              with_entropy=mode != "log-prob",
+                                              with_entropy_grad=mode == "entropy-grad"))
+    return cases
+
+
+def table(targets: tuple[str, ...] = ("harness.targets.fused", "harness.targets.naive")) -> str:
+    """Markdown: the retained and peak figures of each target on the same kernel cases (TP 1, in
+    this process), in units of T*V_local*4, with the ratio of the first target to the second."""
+    from harness.execute import execute
+    from harness.targets import load_target
+
+    loaded = [load_target(t) for t in targets]
+    names = [t.rsplit(".", 1)[-1] for t in targets]
+    head = ["dtype", "mask", "entropy", "chunk"] + [f"{m} {n}" for m in METERS for n in names] + \
+           [f"{m} ratio" for m in METERS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for case in _table_cases():
+        figs = []
+        for target in loaded:
+            r = execute(case, target, 0, torch.device("cpu"))
+            if r.error:
+                raise RuntimeError(f"{target.spec} failed on {case.spec()}: {r.error}")
+            figs.append(r.obs["memory"])
+        u = unit(case.T, case.v_local)
+        mode = "log-prob" if not case.with_entropy else "entropy-grad" if case.with_entropy_grad else "metric-only"
+        row = [case.dtype, case.mask, mode, str(case.chunk_size)]
+        row += [f"{f[m] / u:.2f}" for m in METERS for f in figs]
+        row += [f"{figs[0][m] / figs[1][m]:.2f}" if figs[1][m] else "-" for m in METERS]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table())

@@ -1,0 +1,248 @@
+"""Memory meters and checks (docs/memory.md): the meters are exact on hand-made calls, the memory
+defects are caught where they cost memory and only there, correct routines of three designs get
+no memory finding, and the built-in routine keeps its declared budget."""
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cases.case import KernelCase, WrapperCase
+from cases.strategies import kernel_cases, wrapper_cases
+from harness import memory
+from harness.checks import all_checks
+from harness.mutants import catalog
+from harness.runner import Runner
+
+CPU = torch.device("cpu")
+MEMORY_CHECKS = {name for name in all_checks() if name.startswith("memory-")}
+T, V = 8, 32
+TV4 = T * V * 4
+
+
+def _meter(*inputs: torch.Tensor) -> memory.Meter:
+    return memory.Meter(inputs, CPU)
+
+
+# ---------------------------------------------------------------------------- meters, by hand
+class _StashOnCtx(torch.autograd.Function):
+    """Keeps a [T, V] buffer as a ctx attribute: no saved-tensor hook ever sees it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.buf = torch.empty(T, V)
+        return x.sum(-1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.unsqueeze(-1).expand(T, V).clone()
+
+
+class _SaveTwoViews(torch.autograd.Function):
+    """Saves two views of one new [T, V] buffer, and the caller's input."""
+
+    @staticmethod
+    def forward(ctx, x):
+        buf = x * 2
+        ctx.save_for_backward(x, buf[: T // 2], buf[T // 2:])
+        return x.sum(-1)
+
+    @staticmethod
+    def backward(ctx, g):
+        _x, a, b = ctx.saved_tensors
+        return g.unsqueeze(-1) * torch.cat([a, b])
+
+
+class _SaveOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = x.exp()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * y
+
+
+def test_ctx_attribute_cannot_hide():
+    x = torch.randn(T, V, requires_grad=True)
+    meter = _meter(x)
+    with meter.forward():
+        y = _StashOnCtx.apply(x)
+    meter.outputs(y)
+    f = meter.figures
+    assert f["retained"] == TV4 + T * 4  # the stash and the [T] output; the input is the caller's
+    assert f["saved"] == 0
+    assert {"shape": [T, V], "dtype": "float32", "bytes": TV4, "how": "alive", "op": "empty"} in f["retained_tensors"]
+    loss = y.sum()
+    with meter.backward():
+        loss.backward()
+    # ctx lives as long as y's graph: the stash outlives the backward.
+    assert meter.figures["leftover"] == TV4
+    # retained + the engine's scalar seed + the gradient (AccumulateGrad keeps it without a copy)
+    assert meter.figures["peak_backward"] == TV4 + T * 4 + 4 + TV4
+
+
+def test_saved_views_count_their_storage_once_and_backward_frees_them():
+    x = torch.randn(T, V, requires_grad=True)
+    meter = _meter(x)
+    with meter.forward():
+        y = _SaveTwoViews.apply(x)
+    meter.outputs(y)
+    assert meter.figures["retained"] == TV4 + T * 4
+    assert meter.figures["saved"] == TV4
+    with meter.backward():
+        y.sum().backward()
+    assert meter.figures["leftover"] == 0
+
+
+def test_peak_is_exact_and_inputs_never_count():
+    x = torch.zeros(10_000, dtype=torch.uint8)
+    meter = _meter(x)
+    with meter.forward():
+        a = torch.empty(1000, dtype=torch.uint8)
+        b = torch.empty(2000, dtype=torch.uint8)
+        x.add_(1)  # in place on the caller's tensor: no allocation
+        del a
+        c = b[:500].clone()
+        del b
+    meter.outputs(c)
+    assert meter.figures["peak_forward"] == 3000
+    assert meter.figures["retained"] == 500
+
+
+def test_measuring_keeps_autograds_inplace_error():
+    """With saved-tensor hooks autograd skips its version check; the meter makes it itself."""
+    for metered in (False, True):
+        x = torch.randn(4, requires_grad=True)
+        meter = _meter(x)
+        with meter.forward() if metered else torch.enable_grad():
+            y = _SaveOutput.apply(x)
+        y.detach().add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+
+
+def test_measuring_leaks_nothing():
+    """A saved output must not become a reference cycle through the hooks."""
+    x = torch.randn(4, requires_grad=True)
+    freed = []
+    with _meter(x).forward():
+        y = _SaveOutput.apply(x)
+    ref = weakref.ref(y.untyped_storage(), lambda _: freed.append(1))
+    del y
+    assert freed and ref() is None
+
+
+# ---------------------------------------------------------------------------- through the pools
+def _findings(runner: Runner, case) -> dict[str, str]:
+    _, findings = runner.check(case, only=MEMORY_CHECKS)
+    return {f.check: f.message for f in findings}
+
+
+MUTANTS = ("metric-only-entropy-retained", "metric-only-graph-detached", "ctx-outlives-backward",
+           "forward-buffers-kept", "chunk-size-ignored")
+
+
+def test_memory_mutants_are_in_the_catalog():
+    cat = catalog()
+    for name in MUTANTS:
+        assert set(cat[name].expected) & MEMORY_CHECKS
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("tp", [1, 2])
+def test_metric_only_retention_caught_where_it_costs(harness_pools, tp):
+    runner = Runner("mutant:metric-only-entropy-retained", pools=harness_pools)
+    for dtype, mask, costs in (("fp32", "none", False), ("fp32", "random", True),
+                               ("bf16", "none", True), ("bf16", "random", True)):
+        case = KernelCase(tp=tp, T=16, v_local=64, dtype=dtype, mask=mask, with_entropy=True,
+                          with_entropy_grad=False, seed=7)
+        found = _findings(runner, case)
+        # float32 unmasked: the upcast is the caller's tensor and the saved softmax already is the
+        # entropy's, so the stash costs nothing and nothing is reported.
+        assert ("memory-metric-only" in found) == costs, (dtype, mask, found)
+        assert ("memory-backward-frees" in found) == costs, (dtype, mask, found)
+        if costs:
+            assert "float32[16, 64] 4,096 B (alive" in found["memory-metric-only"]
+    wrapper = WrapperCase(tp=tp, v_local=64, total_lengths=(12, 10), response_lengths=(5, 4), entropy_coef=0.0,
+                          seed=3)
+    assert "memory-coef-zero" not in _findings(runner, wrapper)  # float32, unmasked: free
+    assert "memory-coef-zero" in _findings(runner, wrapper.replace(top_p="nucleus"))
+
+
+@pytest.mark.distributed
+def test_detached_graph_caught_where_the_kernel_input_is_a_copy(harness_pools):
+    """Building the entropy's graph and detaching the output keeps the kernel's input alive: the
+    caller's own logits (free), or the wrapper's temperature-scaled copy."""
+    runner = Runner("mutant:metric-only-graph-detached", pools=harness_pools)
+    case = WrapperCase(tp=2, v_local=64, total_lengths=(12, 10), response_lengths=(5, 4), entropy_coef=0.0, seed=3)
+    assert "memory-coef-zero" not in _findings(runner, case)
+    assert "float32[22, 64]" in _findings(runner, case.replace(temperature=0.7)).get("memory-coef-zero", "")
+
+
+@pytest.mark.distributed
+def test_buffers_outliving_backward_and_budget_caught(harness_pools):
+    case = KernelCase(tp=2, T=16, v_local=64, with_entropy=False, seed=2)
+    assert "memory-backward-frees" in _findings(Runner("mutant:ctx-outlives-backward", pools=harness_pools), case)
+    found = _findings(Runner("mutant:forward-buffers-kept", pools=harness_pools), case)
+    assert "retained" in found.get("memory-budget", ""), found
+    assert "memory-metric-only" not in found  # the same bytes in every mode: only a budget sees them
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("tp", [1, 2])
+def test_ignored_chunk_size_caught(harness_pools, tp):
+    case = WrapperCase(tp=tp, v_local=64, total_lengths=(24, 16), response_lengths=(12, 8), chunk_size=4,
+                       entropy_coef=0.5, seed=5)
+    found = _findings(Runner("mutant:chunk-size-ignored", pools=harness_pools), case)
+    assert "log_probs_chunk_size ignored" in found.get("memory-chunk-passthrough", ""), found
+    assert not _findings(Runner("harness.targets.fused", pools=harness_pools), case)
+
+
+@pytest.mark.distributed
+def test_declared_budget_is_enforced(harness_pools):
+    case = KernelCase(tp=1, T=16, v_local=64, seed=1)  # differentiable entropy
+    found = _findings(Runner("tests.targets.naive_budget", pools=harness_pools), case)
+    assert "retained" in found.get("memory-budget", ""), found
+    assert "memory-budget" not in _findings(Runner("harness.targets.fused", pools=harness_pools), case)
+
+
+def _wide(strategy):
+    """Random cases with a vocab shard 8x wider: a [T, V_local] tensor then stands out of O(T)."""
+    return strategy.map(lambda c: c.replace(v_local=c.v_local * 8))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("spec", ["harness.targets.fused", "harness.targets.naive", "tests.targets.recompute"])
+def test_correct_designs_get_no_memory_finding(harness_pools, spec):
+    runner = Runner(spec, pools=harness_pools)
+    tp = st.sampled_from((1, 2))
+    for strategy in (kernel_cases(tp=tp), wrapper_cases(tp=tp)):
+        @settings(max_examples=40, derandomize=True, database=None, deadline=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(_wide(strategy))
+        def run(case):
+            found = _findings(runner, case)
+            assert not found, f"{case.spec()}: {found}"
+
+        run()
+    applied = {name for (name, _), s in runner.stats.items() if s.applied}
+    assert applied >= MEMORY_CHECKS - ({"memory-budget"} if spec != "harness.targets.fused" else set())
+
+
+@pytest.mark.distributed
+def test_figures_are_deterministic_at_tp2(harness_pools):
+    """A collective's work object lets go of its tensors on a backend thread; the meter must not
+    depend on when (the naive routine drops its gathered shards right after the collective)."""
+    case = WrapperCase(tp=2, v_local=48, total_lengths=(9, 7), response_lengths=(4, 3), chunk_size=3,
+                       entropy_coef=0.5, seed=11)
+    pool = Runner("harness.targets.naive", pools=harness_pools).pool(2)
+    runs = [pool.run("harness.memory:measure_case", case, "harness.targets.naive") for _ in range(5)]
+    assert all(r == runs[0] for r in runs), runs
+    assert set(runs[0][0]) >= {"retained_bytes", "peak_forward_bytes", "peak_backward_bytes"}
