@@ -44,7 +44,10 @@ CORPUS: tuple[Regression, ...] = (
     Regression("peaked-odd-vocab", "verl #2656: padding added exp(0) to the log-sum-exp; peaked inputs see it",
                "values", KernelCase(tp=2, T=8, v_local=13, regime="peaked", seed=2656)),
     Regression("wrapper-chunk-size", "NeMo-RL #2871/#2872: the chunk size was ignored on the training path",
-               "chunk-size-honoured", _w(chunk_size=2, entropy_coef=0.01)),
+               "memory-chunk-passthrough", _w(v_local=64, chunk_size=2, entropy_coef=0.01)),
+    Regression("metric-only-memory", "slime #2144/#2153: a metric-only entropy must not pay for an entropy "
+               "gradient's [T, V_local] buffers", "memory-metric-only",
+               KernelCase(tp=2, T=8, v_local=64, dtype="bf16", mask="random", with_entropy_grad=False, seed=2144)),
     Regression("non-owner-shard-grads", "ms-swift #9947: non-owner vocab shards got wrong gradients at TP > 1",
                "gradients", KernelCase(tp=4, T=8, v_local=3, with_entropy=False, seed=9947)),
     Regression("odd-vocab-tp2", "Megatron-LM #1754: a vocab not divisible by the kernel block diverged at TP 2",
