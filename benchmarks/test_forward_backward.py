@@ -2,12 +2,13 @@
 (`harness.perf.PERF_CASES`: T x V_local x TP x dtype x entropy settings). Not collected by a plain
 `pytest` (testpaths = tests); run them by path:
 
-    pytest benchmarks --benchmark-timer=time.process_time --benchmark-save=main
-    pytest benchmarks --benchmark-timer=time.process_time --benchmark-compare --benchmark-compare-fail=median:10%
+    pytest benchmarks --benchmark-save=main
+    pytest benchmarks --benchmark-compare --benchmark-compare-fail=median:10%
     pytest benchmarks --target mypkg.logprobs ...        # any target, as for the conformance suite
 
 TP 1 runs in this process on one thread; TP > 1 is timed from here around one call on every rank
-of the session's worker pool (dispatch to the ranks included, about 0.1 ms). Each benchmark's
+of the session's worker pool (dispatch to the ranks included, about 0.1 ms), so keep the default
+wall-clock timer: a CPU-time timer would see only this idle driver. Each benchmark's
 `extra_info` holds the case's deterministic figures: collectives per call (`collectives`,
 `collective_count`), memory (`retained_bytes`, `peak_bytes`, ...), and at TP 1 the callgrind
 instruction count (`instructions`) when valgrind is installed. pytest-benchmark compares times
