@@ -54,8 +54,11 @@ def _needs_rebuild(results: list[RankResult]) -> bool:
 class CheckStats:
     applied: int = 0
     failed: int = 0
-    margins: list[float] = field(default_factory=list)  # max error / tolerance per case
-    margins_by_group: dict[str, list[float]] = field(default_factory=dict)  # the same, per case.group()
+    margins_by_group: dict[str, list[float]] = field(default_factory=dict)  # max error / tolerance, per case.group()
+
+    @property
+    def margins(self) -> list[float]:
+        return [m for group in self.margins_by_group.values() for m in group]
 
 
 class Runner:
@@ -128,7 +131,6 @@ class Runner:
             stats = self.stats[(chk.name, case.level)]
             stats.applied += 1
             used = [m for _, m in ev.margins[first:] if m == m]
-            stats.margins.extend(used)
             if used:
                 stats.margins_by_group.setdefault(case.group(), []).extend(used)
             if problems:
