@@ -1,5 +1,5 @@
 """pytest-benchmark benchmarks: one forward+backward of the target's kernel per benchmark case
-(`harness.perf.PERF_CASES`: T x V_local x TP x dtype x entropy settings). Not collected by a plain
+(`cases.benchmarks.PERF_CASES`: T x V_local x TP x dtype x entropy settings). Not collected by a plain
 `pytest` (testpaths = tests); run them by path:
 
     pytest benchmarks --benchmark-save=main
@@ -20,9 +20,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import instructions, perf
-from harness.baseline import collective_counts, label, memory_figures
-from harness.execute import RankResult
+from cases.benchmarks import PERF_CASES
+from harness.engine import callgrind as instructions
+from harness.engine.calls import prepared_call
+from harness.engine.perf_jobs import CALL_JOB
+from harness.meters import timing as perf
+from harness.observations import RankResult
+from harness.perf_gate import collective_counts, label, memory_figures
 
 pytestmark = pytest.mark.perf
 
@@ -30,18 +34,18 @@ pytestmark = pytest.mark.perf
 @pytest.fixture(scope="session")
 def instruction_counts(harness_runner) -> dict:
     """Instruction counts of every TP 1 case, counted together in one callgrind run."""
-    cases = [c for c in perf.PERF_CASES if c.tp == 1]
+    cases = [c for c in PERF_CASES if c.tp == 1]
     if instructions.available() or harness_runner.device != "cpu" or harness_runner.target.kernel is None:
         return {}
     return instructions.count(harness_runner.target.spec, cases)["cases"]
 
 
-@pytest.mark.parametrize("case", perf.PERF_CASES, ids=lambda c: label(c).replace(" ", "-"))
+@pytest.mark.parametrize("case", PERF_CASES, ids=lambda c: label(c).replace(" ", "-"))
 def test_forward_backward(benchmark, harness_runner, instruction_counts, case) -> None:
     runner = harness_runner
     if runner.target.kernel is None:
         pytest.skip(f"{runner.target.spec} has no kernel")
-    ev = runner.execute(case)
+    ev = runner.run(case)
     assert not ev.failed_ranks, ev.failed_ranks[0].error
     collectives = collective_counts(ev.ranks)
     benchmark.extra_info.update(case=case.spec(), tp=case.tp, T=case.T, v_local=case.v_local, dtype=case.dtype,
@@ -52,8 +56,8 @@ def test_forward_backward(benchmark, harness_runner, instruction_counts, case) -
     if case.tp == 1 and runner.device == "cpu":
         torch.set_num_threads(1)  # as in the worker pools: one thread, no contention between threads
         perf.steady_allocator()
-        benchmark(perf.prepared_call(runner.target, case, 0, torch.device("cpu"), None))
+        benchmark(prepared_call(runner.target, case, 0, torch.device("cpu"), None))
     else:
-        replies = benchmark(runner.pool(case.tp).run, "harness.perf:call_job", case, runner.target.spec)
+        replies = benchmark(runner.pool(case.tp).run, CALL_JOB, case, runner.target.spec)
         errors = [r.error for r in replies if isinstance(r, RankResult)]
         assert not errors, errors[0]

@@ -73,6 +73,13 @@ class _CaseBase:
     def vocab(self) -> int:
         return self.tp * self.v_local
 
+    @property
+    def entropy_mode(self) -> str:
+        """What the entropy costs: "log-prob only", "metric-only entropy" or "differentiable entropy"."""
+        if not self.with_entropy:
+            return "log-prob only"
+        return "differentiable entropy" if self.expects_entropy_grad else "metric-only entropy"
+
 
 @dataclass(frozen=True)
 class KernelCase(_CaseBase):
@@ -159,6 +166,12 @@ class WrapperCase(_CaseBase):
 
     def group(self) -> str:
         return f"{self.level}-tp{self.tp}-{'topp' if self.top_p != 'none' else 'plain'}"
+
+    @property
+    def kernel_comparable(self) -> bool:
+        """Chunked and without top-p: the rows can be run through the kernel alone, as the wrapper
+        should run them, for the chunk-size checks to compare with."""
+        return self.chunk_size > 0 and self.top_p == "none" and self.T > 0
 
     def args(self) -> SimpleNamespace:
         args = SimpleNamespace(log_probs_chunk_size=self.chunk_size, allgather_cp=False)

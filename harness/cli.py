@@ -5,7 +5,6 @@ Exit codes: 0 no findings, 1 findings, 2 usage, target or infrastructure error.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import signal
 import sys
@@ -15,46 +14,16 @@ from pathlib import Path
 from typing import Any
 
 from cases.case import parse_case
-from cases.profiles import DEFAULT_PROFILE, PROFILES
-from harness import launched
-from harness import pool
-from harness.pool import PoolStartError
-from harness.runner import Finding, Runner
-from harness.targets import DEFAULT_TARGET, TargetError
-
-
-class UsageError(Exception):
-    pass
-
-
-def tp_list(text: str) -> list[int]:
-    try:
-        sizes = [int(p) for p in text.split(",") if p.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--tp takes comma-separated positive integers, got {text!r}") from None
-    if not sizes or any(s < 1 for s in sizes):
-        raise argparse.ArgumentTypeError(f"--tp sizes must be positive integers, got {text!r}")
-    return sorted(set(sizes))
-
-
-def seed_value(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--seed takes a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"--seed must be non-negative, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
+from cases.profiles import PROFILES
+from harness import mutate, options, perf_gate
+from harness.checks import listing
+from harness.engine import pool, torchrun
+from harness.engine.explorer import explore, run_corpus
+from harness.engine.runner import Runner
+from harness.errors import HarnessError, UsageError
+from harness.findings import Finding
+from harness.options import RunConfig
+from harness.report import render, trend
 
 
 def _progress(quiet: bool):
@@ -64,14 +33,6 @@ def _progress(quiet: bool):
         if not quiet:
             print(f"[{time.perf_counter() - start:6.1f}s] {msg}", file=sys.stderr, flush=True)
     return say
-
-
-def add_target_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=DEFAULT_TARGET, help="module (or mutant:NAME) under test")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu: gloo pools, fork; cuda: NCCL pools, spawn")
-    p.add_argument("--collective-timeout", type=positive_float, default=20.0, metavar="S",
-                   help="gloo/NCCL timeout of every collective; a case's deadline is twice this plus 10 s")
 
 
 def summary_table(runner: Runner, findings: list[Finding]) -> str:
@@ -111,34 +72,32 @@ def result_json(runner: Runner, findings: list[Finding], elapsed: float, extra: 
 # Features that extend `check`, in order: each module has `add_arguments(parser)` and
 # `finish(ns, runner, result) -> list[Finding]`, called on the live runner after the checks, with
 # the JSON-ready result (findings added by earlier features included).
-CHECK_FEATURES: tuple[str, ...] = ("harness.baseline", "harness.report")  # the report renders the others' results: keep it last
+CHECK_FEATURES = (perf_gate, render)  # the report renders the others' results: keep it last
 # Modules that add a subcommand: each has `register(subparsers)`.
-SUBCOMMANDS: tuple[str, ...] = ("harness.mutate", "harness.trend", "harness.catalog_cli")
+SUBCOMMANDS = (mutate, trend, listing)
 
 
-@launched.serving  # under torchrun: rank 0 runs the check on the launched ranks
-def cmd_check(ns: argparse.Namespace) -> int:
-    from harness.explore import explore, run_corpus
-
+@torchrun.serving  # under torchrun: rank 0 runs the check on the launched ranks
+def cmd_check(ns: argparse.Namespace, cfg: RunConfig) -> int:
     say = _progress(ns.quiet)
     profile = PROFILES[ns.profile]
     start = time.perf_counter()
-    runner = Runner(ns.target, ns.device, ns.collective_timeout, pools=ns.pools)
+    runner = Runner.for_run(cfg)
     try:
-        say(f"target {runner.target.spec}: levels {', '.join(runner.target.levels)}; TP {ns.tp}; profile {profile.name}")
+        say(f"target {runner.target.spec}: levels {', '.join(runner.target.levels)}; TP {cfg.tp}; profile {profile.name}")
         for feature, ok in sorted(runner.target.capabilities.items()):
             if not ok:
                 say(f"target provides no {feature}: cases needing it are not drawn")
-        findings = run_corpus(runner, ns.tp, say)
+        findings = run_corpus(runner, cfg.tp, say)
         counts = {"kernel": profile.kernel_cases, "wrapper": profile.wrapper_cases}
         for level in runner.target.levels:
-            n = counts[level] * len(ns.tp)
-            say(f"{level}: {n} randomized cases over TP {ns.tp}")
-            findings += explore(runner, level, ns.tp, n, ns.seed, shrink=not ns.no_shrink, progress=say)
+            n = counts[level] * len(cfg.tp)
+            say(f"{level}: {n} randomized cases over TP {cfg.tp}")
+            findings += explore(runner, level, cfg.tp, n, ns.seed, shrink=not ns.no_shrink, progress=say)
         result = result_json(runner, findings, time.perf_counter() - start,
-                             {"profile": profile.name, "seed": ns.seed, "tp": ns.tp})
-        for module in CHECK_FEATURES:
-            extra = importlib.import_module(module).finish(ns, runner, result)
+                             {"profile": profile.name, "seed": ns.seed, "tp": cfg.tp})
+        for feature in CHECK_FEATURES:
+            extra = feature.finish(ns, runner, result)
             findings += extra
             result["findings"] += [f.to_json() for f in extra]
     finally:
@@ -156,12 +115,12 @@ def cmd_check(ns: argparse.Namespace) -> int:
     return 1 if findings else 0
 
 
-def cmd_repro(ns: argparse.Namespace) -> int:
+def cmd_repro(ns: argparse.Namespace, cfg: RunConfig) -> int:
     try:
         case = parse_case(ns.case)
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from None
-    runner = Runner(ns.target, ns.device, ns.collective_timeout, pools=ns.pools)
+    runner = Runner.for_run(cfg)
     try:
         _, findings = runner.check(case)
     finally:
@@ -177,23 +136,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m harness", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="run the randomized conformance checks against a target")
-    add_target_options(check)
-    check.add_argument("--tp", type=tp_list, default=[1, 2, 4], help="TP sizes, e.g. 1,2,4")
-    check.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE,
-                       help="how many randomized cases (smoke: seconds, ci: about a minute)")
-    check.add_argument("--seed", type=seed_value, default=0)
+    options.add_argparse(check, ("target", "device", "collective_timeout", "tp", "profile", "seed"))
     check.add_argument("--json", metavar="FILE", help="write the results as JSON")
     check.add_argument("--no-shrink", action="store_true", help="report failures without shrinking them")
     check.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
-    for module in CHECK_FEATURES:
-        importlib.import_module(module).add_arguments(check)
+    for feature in CHECK_FEATURES:
+        feature.add_arguments(check)
     check.set_defaults(func=cmd_check)
     repro = sub.add_parser("repro", help="re-run exactly one case (as printed in a finding)")
-    add_target_options(repro)
+    options.add_argparse(repro, ("target", "device", "collective_timeout"))
     repro.add_argument("case", help="case spec, e.g. 'kernel:tp=2,T=5,v_local=4,...'")
     repro.set_defaults(func=cmd_repro)
-    for module in SUBCOMMANDS:
-        importlib.import_module(module).register(sub)
+    for command in SUBCOMMANDS:
+        command.register(sub)
     return parser
 
 
@@ -201,14 +156,14 @@ def main(argv: list[str] | None = None, pools: dict | None = None) -> int:
     """`pools`: worker pools to reuse (the test suite passes its session pools); default: own ones."""
     parser = build_parser()
     ns = parser.parse_args(argv)  # exits 2 on usage errors, with argparse's message
-    ns.pools = pools
+    cfg = RunConfig.from_options(vars(ns).get, pools)
     if threading.current_thread() is threading.main_thread():
         # Ctrl-C must stop the run and its pools even when started with SIGINT ignored (as
         # background jobs of a non-interactive shell are).
         signal.signal(signal.SIGINT, pool.on_sigint)
     try:
-        return ns.func(ns)
-    except (TargetError, UsageError, PoolStartError) as e:
+        return ns.func(ns, cfg)
+    except HarnessError as e:
         print(f"harness: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -8,15 +8,20 @@ and the hunt stops as soon as every expected check has fired. All mutants share 
 from __future__ import annotations
 
 import argparse
-import importlib
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-from harness.explore import explore, run_corpus
-from harness.mutants import Mutant, catalog
-from harness.pool import WorkerPool
-from harness.runner import Finding, Runner
+from cases.benchmarks import PERF_CASES
+from harness import options, perf_gate
+from harness.engine.explorer import explore, run_corpus
+from harness.engine.pool import WorkerPool
+from harness.engine.runner import Runner
+from harness.errors import UsageError
+from harness.findings import Finding
+from harness.options import RunConfig
 from harness.targets import DEFAULT_TARGET
+from harness.targets.mutants import Mutant, catalog
 
 CLEAN = "clean"
 
@@ -68,22 +73,43 @@ def hunt(spec: str, name: str, expected: tuple[str, ...], tps: list[int], pools:
     return result
 
 
+class BaselineHunter:
+    """Hunts the `needs_baseline` mutants: each is compared with a baseline of the clean routine on
+    the benchmark cases at the TP sizes where it can be seen (recorded once per set of sizes)."""
+
+    def __init__(self, tps: list[int], pools: dict[int, WorkerPool]):
+        self.tps, self.pools = tps, pools
+        self.recorded: dict[tuple[int, ...], dict[str, Any]] = {}
+
+    def __call__(self, m: Mutant) -> HuntResult:
+        start = time.perf_counter()
+        sizes = tuple(tp for tp in self.tps if tp in m.tp)
+        cases = [c for c in PERF_CASES if c.tp in sizes]
+        if not cases:
+            return HuntResult(m.name, m.expected, skipped=f"no benchmark case at TP {list(self.tps)}")
+        if sizes not in self.recorded:
+            self.recorded[sizes] = perf_gate.record(Runner(DEFAULT_TARGET, pools=self.pools), cases)
+        runner = Runner(m.spec, pools=self.pools)
+        cmp = perf_gate.compare(runner, self.recorded[sizes], file=f"<baseline of {DEFAULT_TARGET}>")
+        fired: dict[str, Finding] = {}
+        for f in cmp.findings:
+            fired.setdefault(f.check, f)
+        return HuntResult(m.name, m.expected, fired, runner.cases_run, time.perf_counter() - start)
+
+
 def run_catalog(names: list[str] | None, tps: list[int], pools: dict[int, WorkerPool], budget: int = 60,
-                seed: int = 0, collective_timeout_s: float = 5.0, include_clean: bool = True,
-                baseline_hunter=None) -> list[HuntResult]:
+                seed: int = 0, collective_timeout_s: float = 5.0, include_clean: bool = True) -> list[HuntResult]:
     """Hunt every named mutant (all by default) and, first, the clean routine."""
     entries: dict[str, Mutant] = catalog()
     chosen = [entries[n] for n in (names or sorted(entries))]
     results = []
+    baseline_hunter = BaselineHunter(tps, pools)
     if include_clean:
         results.append(hunt(DEFAULT_TARGET, CLEAN, (), tps, pools, budget, seed, collective_timeout_s))
     for m in chosen:
         sizes = [tp for tp in tps if tp in m.tp]
         if m.needs_baseline:
-            if baseline_hunter is None:
-                results.append(HuntResult(m.name, m.expected, skipped="needs a baseline (harness.baseline)"))
-            else:
-                results.append(baseline_hunter(m, pools))
+            results.append(baseline_hunter(m))
         elif not sizes:
             results.append(HuntResult(m.name, m.expected, skipped=f"only visible at TP {m.tp}"))
         else:
@@ -108,7 +134,7 @@ def kill_matrix(results: list[HuntResult]) -> str:
     return "\n".join(lines)
 
 
-def cmd_mutate(ns: argparse.Namespace) -> int:
+def cmd_mutate(ns: argparse.Namespace, cfg: RunConfig) -> int:
     entries = catalog()
     if ns.list:
         for m in entries.values():
@@ -117,20 +143,12 @@ def cmd_mutate(ns: argparse.Namespace) -> int:
         return 0
     unknown = [n for n in ns.mutants if n not in entries]
     if unknown:
-        from harness.cli import UsageError
-
         raise UsageError(f"unknown mutant(s) {', '.join(unknown)}; see --list")
-    own = ns.pools is None
-    pools: dict[int, WorkerPool] = {} if own else ns.pools
+    own = cfg.pools is None
+    pools: dict[int, WorkerPool] = {} if own else cfg.pools
     start = time.perf_counter()
     try:
-        hunter = None
-        try:
-            hunter = importlib.import_module("harness.baseline").mutant_hunter(ns.tp, pools, ns.seed)
-        except (ImportError, AttributeError):
-            pass
-        results = run_catalog(ns.mutants or None, ns.tp, pools, ns.budget, ns.seed, ns.collective_timeout,
-                              baseline_hunter=hunter)
+        results = run_catalog(ns.mutants or None, cfg.tp, pools, ns.budget, ns.seed, cfg.collective_timeout_s)
     finally:
         for pool in pools.values() if own else ():
             pool.close()
@@ -150,15 +168,12 @@ def cmd_mutate(ns: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from harness.cli import seed_value, tp_list
-
     p = sub.add_parser("mutate", help="run the checks against the mutation catalog; print the kill matrix")
     p.add_argument("mutants", nargs="*", help="mutant names (default: the whole catalog)")
     p.add_argument("--list", action="store_true", help="list the catalog and exit")
-    p.add_argument("--tp", type=tp_list, default=[1, 2, 4])
-    p.add_argument("--budget", type=int, default=60, help="random cases per level before a mutant survives")
-    p.add_argument("--seed", type=seed_value, default=0)
-    p.add_argument("--collective-timeout", type=float, default=5.0, metavar="S",
-                   help="short, so that a rank-divergent mutant costs seconds, not minutes")
+    p.add_argument("--budget", type=options.positive_int, default=60,
+                   help="random cases per level before a mutant survives")
+    # A short collective timeout: a rank-divergent mutant then costs seconds, not minutes.
+    options.add_argparse(p, ("tp", "seed", "collective_timeout"), collective_timeout=5.0)
     p.add_argument("--markdown", metavar="FILE", help="also write the kill matrix as markdown")
     p.set_defaults(func=cmd_mutate)

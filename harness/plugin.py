@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from cases.profiles import PROFILES, load_for_pytest
-from harness.targets import DEFAULT_TARGET
+from cases.profiles import load_for_pytest
+from harness import options
+from harness.errors import HarnessError
+from harness.options import RunConfig
 
 MARKERS = {
     "gpu": "needs CUDA; skipped cleanly without it",
@@ -18,42 +20,32 @@ MARKERS = {
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("logprob-harness")
-    group.addoption("--target", default=DEFAULT_TARGET, help="module (or mutant:NAME) under test")
-    group.addoption("--tp", default="1,2,4", help="TP sizes of the conformance suite, e.g. 1,2")
-    group.addoption("--profile", default=None, choices=sorted(PROFILES),
-                    help="Hypothesis profile (default: ci when $CI is set, else dev)")
-    group.addoption("--seed", type=int, default=None, help="Hypothesis seed (default: derandomized)")
-    group.addoption("--device", default="cpu", choices=("cpu", "cuda"), help="pools on CPU/gloo or CUDA/NCCL")
-    group.addoption("--collective-timeout", type=float, default=20.0, help="seconds per collective")
+    # The CLI's options, flags and validators; the profile defaults to the environment's (ci under
+    # $CI, else dev) and the seed to Hypothesis's derandomized one.
+    options.add_pytest(parser.getgroup("logprob-harness"),
+                       ("target", "tp", "device", "collective_timeout", "profile", "seed"), profile=None, seed=None)
 
 
-def _tp_sizes(config: pytest.Config) -> list[int]:
-    try:
-        sizes = sorted({int(p) for p in config.getoption("--tp").split(",") if p.strip()})
-    except ValueError:
-        raise pytest.UsageError(f"--tp takes comma-separated integers, got {config.getoption('--tp')!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise pytest.UsageError("--tp sizes must be positive")
-    return sizes
+def run_config(config: pytest.Config, pools: dict | None = None) -> RunConfig:
+    return RunConfig.from_options(lambda name: config.getoption(name), pools)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> int | None:
     """Under torchrun: rank 0 runs the session, its pools are the launched ranks; the other ranks
     only serve rank 0's jobs (no collection, no output) and exit with its exit code."""
-    from harness import launched
+    from harness.engine import torchrun
 
-    if not launched.active():
+    if not torchrun.active():
         return None
+    cfg = run_config(config)
     try:
-        world = launched.start(_tp_sizes(config), config.getoption("--device"),
-                               config.getoption("--collective-timeout"))
-    except (pytest.UsageError, launched.LaunchError) as e:
-        if launched.rank() == 0:
+        world = torchrun.start(cfg.tp, cfg.device, cfg.collective_timeout_s)
+    except HarnessError as e:
+        if torchrun.rank() == 0:
             raise pytest.UsageError(str(e)) from None
         return pytest.ExitCode.USAGE_ERROR  # rank 0 says why
-    if launched.rank() != 0:
+    if torchrun.rank() != 0:
         return world.serve()
     config.harness_launched = world
     return None
@@ -73,7 +65,7 @@ def pytest_configure(config: pytest.Config) -> None:
     for name, doc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
     config.harness_profile = load_for_pytest(config.getoption("--profile"))
-    config.harness_tp = _tp_sizes(config)
+    config.harness_tp = list(config.getoption("tp"))
     if config.getoption("--device") == "cuda":
         import torch
 
@@ -83,11 +75,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> list[str] | None:
     """Say what is checked, and what the target does not provide (its cases are not drawn)."""
-    from harness.targets import TargetError, load_target
+    from harness.targets import load_target
 
     try:
         target = load_target(config.getoption("--target"))
-    except TargetError:
+    except HarnessError:
         return None  # collection reports it, as an error (exit 2)
     lines = [f"harness: target {target.spec}, levels {', '.join(target.levels)}, TP {config.harness_tp}, "
              f"profile {config.harness_profile.name}"]
@@ -111,7 +103,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def harness_pools(request: pytest.FixtureRequest):
     """One persistent pool per TP size for the whole session, shared by every runner."""
-    from harness.pool import WorkerPool
+    from harness.engine.pool import WorkerPool
 
     pools: dict[int, WorkerPool] = {}
     yield pools
@@ -122,12 +114,10 @@ def harness_pools(request: pytest.FixtureRequest):
 @pytest.fixture(scope="session")
 def harness_runner(request: pytest.FixtureRequest, harness_pools):
     """The runner for --target on the session's pools."""
-    from harness.runner import Runner
-    from harness.targets import TargetError
+    from harness.engine.runner import Runner
 
-    opt = request.config.getoption
     try:
-        runner = Runner(opt("--target"), opt("--device"), opt("--collective-timeout"), pools=harness_pools)
-    except TargetError as e:
+        runner = Runner.for_run(run_config(request.config, harness_pools))
+    except HarnessError as e:
         pytest.exit(f"harness: error: {e}", returncode=2)
     yield runner

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cases.strategies import kernel_cases, wrapper_cases
-from harness.runner import Runner
+from harness.engine.runner import Runner
 
 
 def draw(strategy: st.SearchStrategy, n: int) -> list:

@@ -34,3 +34,13 @@ def all_reduce_sum(ctx) -> float:
     t = torch.tensor([float(ctx.rank + 1)])
     dist.all_reduce(t)
     return t.item()
+
+
+def memory_figures(ctx, case, target_spec: str) -> dict:
+    """This rank's scalar memory figures for one case (as a baseline records them)."""
+    from harness.engine.executor import run_on_rank
+    from harness.meters.memory import figures_of
+    from harness.targets import load_target
+
+    result = run_on_rank(case, load_target(target_spec), ctx.rank, ctx.device)
+    return {"error": result.error} if result.error else figures_of(result.obs.memory)

@@ -80,8 +80,8 @@ def test_broken_routine_is_reported_shrunk_with_a_working_repro(tmp_path, capsys
 
 
 def test_shrinking_reaches_a_small_case(harness_pools):
-    from harness.explore import explore
-    from harness.runner import Runner
+    from harness.engine.explorer import explore
+    from harness.engine.runner import Runner
 
     runner = Runner("mutant:missing-allreduce-sumexp", pools=harness_pools)
     findings = explore(runner, "kernel", [2], max_examples=30, seed=1)

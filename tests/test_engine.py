@@ -7,8 +7,8 @@ import time
 import pytest
 
 from cases.case import KernelCase, WrapperCase, parse_case
-from harness.execute import RankResult
-from harness.runner import Runner
+from harness.engine.runner import Runner
+from harness.observations import RankResult
 
 pytestmark = pytest.mark.distributed
 
@@ -80,7 +80,7 @@ def test_extra_all_reduce_on_rank0_is_a_collectives_finding(harness_pools):
 
 
 def test_trace_records_every_collective_of_the_builtin(harness_runner):
-    ev = harness_runner.execute(KernelCase(tp=2, T=6, v_local=4, chunk_size=4, mask="random", seed=3))
+    ev = harness_runner.run(KernelCase(tp=2, T=6, v_local=4, chunk_size=4, mask="random", seed=3))
     ops = [e[0] for e in ev.ranks[0].trace]
     # Two chunks x (max, sumexp, target, masked max, masked sumexp, entropy).
     assert ops == ["all_reduce"] * 12
@@ -104,7 +104,7 @@ def test_case_results_are_cached_per_runner(harness_runner):
 
 
 def test_closed_pool_leaves_no_process():
-    from harness.pool import WorkerPool
+    from harness.engine.pool import WorkerPool
 
     # A private pool on purpose: this test is about a pool's own shutdown.
     pool = WorkerPool(2)

@@ -1,4 +1,4 @@
-"""Under torchrun the launched ranks replace the harness's own pools (harness/launched.py).
+"""Under torchrun the launched ranks replace the harness's own pools (harness/engine/torchrun.py).
 
 The torchrun runs below spawn processes of their own: they test the launcher route itself.
 """
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import launched
+from harness.engine import torchrun as launched
+from harness.errors import LaunchError
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node"]  # = torchrun
@@ -33,7 +34,7 @@ def test_active_only_under_a_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert launched.active()
     launched.check_sizes([8])
-    with pytest.raises(launched.LaunchError, match="pass --tp 8 \\(got --tp 1,2,4\\)"):
+    with pytest.raises(LaunchError, match="pass --tp 8 \\(got --tp 1,2,4\\)"):
         launched.check_sizes([1, 2, 4])
 
 

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 from cases.case import KernelCase, WrapperCase
 from cases.strategies import kernel_cases, wrapper_cases
-from harness import memory
 from harness.checks import all_checks
-from harness.mutants import catalog
-from harness.runner import Runner
+from harness.engine.runner import Runner
+from harness.meters import memory
+from harness.targets.mutants import catalog
 
 CPU = torch.device("cpu")
 MEMORY_CHECKS = {name for name in all_checks() if name.startswith("memory-")}
@@ -243,6 +243,6 @@ def test_figures_are_deterministic_at_tp2(harness_pools):
     case = WrapperCase(tp=2, v_local=48, total_lengths=(9, 7), response_lengths=(4, 3), chunk_size=3,
                        entropy_coef=0.5, seed=11)
     pool = Runner("harness.targets.naive", pools=harness_pools).pool(2)
-    runs = [pool.run("harness.memory:measure_case", case, "harness.targets.naive") for _ in range(5)]
+    runs = [pool.run("tests.pool_jobs:memory_figures", case, "harness.targets.naive") for _ in range(5)]
     assert all(r == runs[0] for r in runs), runs
     assert set(runs[0][0]) >= {"retained_bytes", "peak_forward_bytes", "peak_backward_bytes"}

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cases.case import KernelCase
-from harness.explore import strategy_for
-from harness.runner import Runner
+from harness.engine.explorer import strategy_for
+from harness.engine.runner import Runner
 from harness.targets import load_target
 
 MEGATRON = "harness.targets.megatron"

@@ -1,4 +1,4 @@
-"""The performance gate (harness.perf, harness.baseline, harness.instructions): its statistics, and
+"""The performance gate (harness.meters.timing, harness.perf_gate, harness.engine.callgrind): its statistics, and
 each of its four checks failing on a routine that breaks it while the clean routine passes.
 
 Fast tests use two benchmark cases (TP 1 and TP 2) with the callgrind counter switched off, and
@@ -16,11 +16,16 @@ import sys
 import pytest
 
 from cases.case import parse_case
-from harness import baseline, instructions, perf
-from harness.runner import Runner
+from cases.benchmarks import PERF_CASES
+from harness import perf_gate as baseline
+from harness.engine import callgrind as instructions
+from harness.engine.perf_jobs import PAIRED_JOB
+from harness.engine.runner import Runner
+from harness.errors import UsageError
+from harness.meters import timing as perf
 from harness.targets import DEFAULT_TARGET
 
-FAST_CASES = [perf.PERF_CASES[2], perf.PERF_CASES[4]]  # TP 1 chunked log-prob, TP 2 bf16 log-prob
+FAST_CASES = [PERF_CASES[2], PERF_CASES[4]]  # TP 1 chunked log-prob, TP 2 bf16 log-prob
 SLOW_MUTANT = "mutant:needless-exp-pass"
 ALLREDUCE_MUTANT = "mutant:extra-allreduce-per-call"
 
@@ -63,9 +68,9 @@ def test_verdict_flags_only_an_interval_wholly_beyond_half_the_threshold():
 # ---------------------------------------------------------------------------- timing on the pools
 def test_paired_timing_sees_an_injected_slowdown_and_not_a_null_one(harness_pools):
     pool = Runner(DEFAULT_TARGET, pools=harness_pools).pool(1)
-    case = perf.PERF_CASES[2]
-    same = perf.paired_ratio(pool.run("harness.perf:paired_job", case, DEFAULT_TARGET, DEFAULT_TARGET)[0])
-    slowed = perf.paired_ratio(pool.run("harness.perf:paired_job", case, DEFAULT_TARGET, DEFAULT_TARGET,
+    case = PERF_CASES[2]
+    same = perf.paired_ratio(pool.run(PAIRED_JOB, case, DEFAULT_TARGET, DEFAULT_TARGET)[0])
+    slowed = perf.paired_ratio(pool.run(PAIRED_JOB, case, DEFAULT_TARGET, DEFAULT_TARGET,
                                         perf.PAIRS, 0, "cpu", 0.5)[0])
     assert same.verdict(0.10) != "slower"
     assert slowed.verdict(0.10) == "slower"
@@ -150,7 +155,6 @@ def test_cli_options(tmp_path):
         build_parser().parse_args(["check", "--slowdown-threshold", "10"])
     bogus = tmp_path / "not-a-baseline.json"
     bogus.write_text("{}")
-    from harness.cli import UsageError
 
     with pytest.raises(UsageError):
         baseline.load(bogus)
@@ -164,7 +168,7 @@ needs_valgrind = pytest.mark.skipif(instructions.available() is not None,
 @pytest.mark.slow
 @needs_valgrind
 def test_instruction_counts_repeat_and_see_a_needless_pass():
-    cases = [c for c in perf.PERF_CASES if c.tp == 1]
+    cases = [c for c in PERF_CASES if c.tp == 1]
     first = instructions.count(DEFAULT_TARGET, cases)
     again = instructions.count(DEFAULT_TARGET, cases)
     slow = instructions.count(SLOW_MUTANT, cases)
@@ -181,7 +185,7 @@ def test_instruction_counts_repeat_and_see_a_needless_pass():
 @needs_valgrind
 def test_done_when_mutants_flagged_and_clean_not(harness_pools):
     """The issue's last criterion, on every benchmark case at TP 1, 2 and 4."""
-    clean = baseline.record(Runner(DEFAULT_TARGET, pools=harness_pools), list(perf.PERF_CASES))
+    clean = baseline.record(Runner(DEFAULT_TARGET, pools=harness_pools), list(PERF_CASES))
     assert all("instructions" in e for e in clean["cases"] if parse_case(e["case"]).tp == 1)
     same = baseline.compare(Runner(DEFAULT_TARGET, pools=harness_pools), clean)
     assert not same.findings, [f.message for f in same.findings]

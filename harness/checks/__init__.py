@@ -6,14 +6,15 @@ Its name is what `-k` selects, what findings carry, and what the mutation catalo
 from __future__ import annotations
 
 import functools
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from cases.case import Case
-from harness import oracle
-from harness.execute import RankResult
+from harness.checks import oracle
+from harness.observations import Observation, RankResult
 from harness.targets import Target
 
 
@@ -38,14 +39,14 @@ class Evidence:
     def completed(self, stage: str) -> bool:
         """Every rank got through `stage` ("forward", or "backward" = the whole case)."""
         order = ("forward", "backward")
-        return all(r.obs.get("stage") in order[order.index(stage):] for r in self.ranks)
+        return all(r.obs.stage in order[order.index(stage):] for r in self.ranks)
 
-    def obs(self, key: str, rank: int = 0) -> Any:
-        return self.ranks[rank].obs.get(key)
+    def obs(self, rank: int = 0) -> Observation:
+        return self.ranks[rank].obs
 
     def full_grad(self) -> torch.Tensor | None:
         """The gradient assembled from every rank's shard, in rank order."""
-        shards = [r.obs.get("grad") for r in self.ranks]
+        shards = [r.obs.grad for r in self.ranks]
         if any(s is None for s in shards):
             return None
         return torch.cat(shards, dim=-1)
@@ -115,7 +116,11 @@ def compare(actual: Any, expected: torch.Tensor, atol: float, rtol: float, what:
     return []
 
 
-def all_checks() -> dict[str, Check]:
-    from harness.checks import common, kernel, memory, wrapper  # noqa: F401  (registration on import)
+CHECK_MODULES = ("common", "kernel", "memory", "wrapper")  # the order of summaries, JSON and test ids
 
-    return REGISTRY
+
+def all_checks() -> dict[str, Check]:
+    """Every registered check, module by module in CHECK_MODULES order, whatever imported them first."""
+    modules = [importlib.import_module(f"{__name__}.{m}") for m in CHECK_MODULES]
+    names = [m.__name__ for m in modules]
+    return dict(sorted(REGISTRY.items(), key=lambda kv: names.index(kv[1].fn.__module__)))

@@ -3,30 +3,25 @@ same collectives, and the caller's inputs survive."""
 from __future__ import annotations
 
 from harness.checks import Evidence, check
-from harness.trace import fmt_event
-
-
-def _t(case) -> int:
-    return case.T
+from harness.meters.trace import fmt_event
 
 
 def _errors(ev: Evidence) -> list[str]:
     return [f"rank {r.rank} {r.error_kind}: {r.error}" for r in ev.failed_ranks]
 
 
-@check("crash", applies=lambda c, t: _t(c) > 0, needs=None)
+@check("crash", applies=lambda c, t: c.T > 0, needs=None)
 def crash(ev: Evidence) -> list[str]:
     """Every rank returns without raising, dying or hanging."""
     return _errors(ev)
 
 
-@check("empty-input", levels=("kernel",), applies=lambda c, t: _t(c) == 0, needs=None)
+@check("empty-input", levels=("kernel",), applies=lambda c, t: c.T == 0, needs=None)
 def empty_input(ev: Evidence) -> list[str]:
     """T == 0 returns empty outputs without error, at every TP size."""
     problems = _errors(ev)
     for r in ev.ranks:
-        for key in ("log_prob", "entropy"):
-            out = r.obs.get(key)
+        for key, out in (("log_prob", r.obs.log_prob), ("entropy", r.obs.entropy)):
             if out is not None and out.numel():
                 problems.append(f"rank {r.rank}: {key} has {out.numel()} elements for T == 0")
     return problems
@@ -47,4 +42,4 @@ def collectives(ev: Evidence) -> list[str]:
 @check("input-integrity", needs="forward")
 def input_integrity(ev: Evidence) -> list[str]:
     """Inputs keep their values and version counters through forward and backward."""
-    return [f"rank {r.rank}: {p}" for r in ev.ranks for p in r.obs.get("integrity", [])]
+    return [f"rank {r.rank}: {p}" for r in ev.ranks for p in r.obs.integrity]

@@ -19,9 +19,9 @@ def values(ev: Evidence) -> list[str]:
     exp = ev.expected
     problems = []
     for r in ev.ranks:
-        problems += ev.compare(r.obs.get("log_prob"), exp.log_prob, exp.value_atol, 0.0, f"rank {r.rank} log_prob")
-        if exp.entropy is not None and r.obs.get("entropy") is not None:
-            problems += ev.compare(r.obs["entropy"], exp.entropy, exp.value_atol, 0.0, f"rank {r.rank} entropy")
+        problems += ev.compare(r.obs.log_prob, exp.log_prob, exp.value_atol, 0.0, f"rank {r.rank} log_prob")
+        if exp.entropy is not None and r.obs.entropy is not None:
+            problems += ev.compare(r.obs.entropy, exp.entropy, exp.value_atol, 0.0, f"rank {r.rank} entropy")
     return problems
 
 
@@ -42,17 +42,17 @@ def grad_flags(ev: Evidence) -> list[str]:
     c: KernelCase = ev.case
     problems = []
     for r in ev.ranks:
-        lp, ent = r.obs.get("log_prob_meta"), r.obs.get("entropy_meta")
-        if lp and lp["requires_grad"] != c.requires_grad:
-            problems.append(f"rank {r.rank}: log_prob.requires_grad={lp['requires_grad']}, "
+        lp, ent = r.obs.log_prob_meta, r.obs.entropy_meta
+        if lp and lp.requires_grad != c.requires_grad:
+            problems.append(f"rank {r.rank}: log_prob.requires_grad={lp.requires_grad}, "
                             f"logits.requires_grad={c.requires_grad}")
         if c.with_entropy and ent is None:
             problems.append(f"rank {r.rank}: with_entropy=True but entropy is None")
         if not c.with_entropy and ent is not None:
             problems.append(f"rank {r.rank}: with_entropy=False but an entropy tensor was returned")
-        if ent is not None and c.with_entropy and ent["requires_grad"] != c.expects_entropy_grad:
+        if ent is not None and c.with_entropy and ent.requires_grad != c.expects_entropy_grad:
             problems.append(
-                f"rank {r.rank}: entropy.requires_grad={ent['requires_grad']}, expected {c.expects_entropy_grad} "
+                f"rank {r.rank}: entropy.requires_grad={ent.requires_grad}, expected {c.expects_entropy_grad} "
                 f"(with_entropy_grad={c.with_entropy_grad}, logits.requires_grad={c.requires_grad})")
     return problems
 
@@ -64,23 +64,20 @@ def shapes_dtypes(ev: Evidence) -> list[str]:
     want_grad_dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[c.dtype]
     problems = []
     for r in ev.ranks:
-        for key in ("log_prob_meta", "entropy_meta"):
-            meta = r.obs.get(key)
+        for key, meta in (("log_prob", r.obs.log_prob_meta), ("entropy", r.obs.entropy_meta)):
             if meta is None:
                 continue
-            numel = 1
-            for d in meta["shape"]:
-                numel *= d
-            if numel != c.T or len(meta["shape"]) > 2 or (len(meta["shape"]) == 2 and meta["shape"][1] != 1):
-                problems.append(f"rank {r.rank}: {key[:-5]} shape {list(meta['shape'])}, expected [{c.T}] or [{c.T}, 1]")
-            if meta["dtype"] != "float32":
-                problems.append(f"rank {r.rank}: {key[:-5]} dtype {meta['dtype']}, expected float32")
-        g = r.obs.get("grad_meta")
+            shape = meta.shape
+            if meta.numel != c.T or len(shape) > 2 or (len(shape) == 2 and shape[1] != 1):
+                problems.append(f"rank {r.rank}: {key} shape {list(shape)}, expected [{c.T}] or [{c.T}, 1]")
+            if meta.dtype != "float32":
+                problems.append(f"rank {r.rank}: {key} dtype {meta.dtype}, expected float32")
+        g = r.obs.grad_meta
         if g is not None:
-            if g["dtype"] != want_grad_dtype:
-                problems.append(f"rank {r.rank}: grad dtype {g['dtype']}, expected {want_grad_dtype} (the logits' dtype)")
-            if tuple(g["shape"]) != (c.T, c.v_local):
-                problems.append(f"rank {r.rank}: grad shape {list(g['shape'])}, expected {[c.T, c.v_local]}")
+            if g.dtype != want_grad_dtype:
+                problems.append(f"rank {r.rank}: grad dtype {g.dtype}, expected {want_grad_dtype} (the logits' dtype)")
+            if g.shape != (c.T, c.v_local):
+                problems.append(f"rank {r.rank}: grad shape {list(g.shape)}, expected {[c.T, c.v_local]}")
     return problems
 
 
@@ -88,7 +85,7 @@ def shapes_dtypes(ev: Evidence) -> list[str]:
 def finite(ev: Evidence) -> list[str]:
     """No NaN or inf where the oracle is finite (outputs and gradient)."""
     exp = ev.expected
-    pairs = [("log_prob", ev.obs("log_prob"), exp.log_prob), ("entropy", ev.obs("entropy"), exp.entropy),
+    pairs = [("log_prob", ev.obs().log_prob, exp.log_prob), ("entropy", ev.obs().entropy, exp.entropy),
              ("grad", ev.full_grad(), exp.grad)]
     problems = []
     for name, got, want in pairs:
@@ -105,7 +102,7 @@ def _outputs_match(ev: Evidence, other: Evidence, what: str) -> list[str]:
     exp = ev.expected
     problems = []
     for key in ("log_prob", "entropy"):
-        a, b = ev.obs(key), other.obs(key)
+        a, b = getattr(ev.obs(), key), getattr(other.obs(), key)
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
             problems += ev.compare(a, b.to(torch.float64), 2 * exp.value_atol, 0.0, f"{key} vs {what}")
     ga, gb = ev.full_grad(), other.full_grad()

@@ -1,5 +1,5 @@
 """Memory checks: invariants that hold for every correct routine whatever its design, and the
-budget a target declares. Figures come from `harness.memory` (docs/memory.md); comparisons allow
+budget a target declares. Figures come from `harness.meters.memory` (docs/memory.md); comparisons allow
 `memory.slack(T)` bytes and budgets `memory.budget_slack(T)`: the O(T) of the contract.
 
 Chunking is not asserted to lower the peak: in eager autograd the backward of row slices allocates
@@ -13,12 +13,12 @@ from collections import Counter
 from typing import Any
 
 from cases.case import KernelCase, WrapperCase
-from harness import memory
 from harness.checks import Evidence, check
+from harness.meters import memory
 
 
 def _mem(ev: Evidence, rank: int) -> dict[str, Any]:
-    return ev.ranks[rank].obs.get("memory") or {}
+    return ev.ranks[rank].obs.memory
 
 
 def _fmt(n: int) -> str:
@@ -77,7 +77,8 @@ def coef_zero(ev: Evidence) -> list[str]:
     return _compare_retained(ev, ev.twins["memory-coef-zero"], "with_entropy=False")
 
 
-@check("memory-chunk-passthrough", levels=("wrapper",), applies=memory.compares_kernel)
+@check("memory-chunk-passthrough", levels=("wrapper",),
+       applies=lambda c, t: c.kernel_comparable and c.temperature in (None, 1.0) and t.kernel is not None)
 def chunk_passthrough(ev: Evidence) -> list[str]:
     """NeMo-RL #2871: args.log_probs_chunk_size reaches the kernel. The wrapper's retained and peak
     bytes match the target kernel's own at that chunk size on the same rows (temperature 1, no
@@ -86,11 +87,10 @@ def chunk_passthrough(ev: Evidence) -> list[str]:
     allowed = memory.slack(c.T)
     problems = []
     for r in range(len(ev.ranks)):
-        got = _mem(ev, r)
-        kernel = got.get("kernel")
-        if not kernel:
+        got, kernel = _mem(ev, r), ev.ranks[r].obs.kernel_pass
+        if kernel is None:
             continue
-        chunked, whole = kernel[c.chunk_size], kernel[-1]
+        chunked, whole = kernel.memory[c.chunk_size], kernel.memory[-1]
         for m in memory.METERS:
             if got.get(m) is None or chunked.get(m) is None:
                 continue
@@ -135,6 +135,13 @@ def wrapper_allowance(c: Any) -> float:
     return (1.0 if c.temperature not in (None, 1.0) else 0.0) + (0.25 if c.top_p != "none" else 0.0)
 
 
+def budget_use(c: Any, nbytes: int) -> float:
+    """A memory figure on the scale of HARNESS_MEMORY_BUDGET: multiples of T*V_local*4 bytes beyond
+    what every budget is given on top (the O(T) slack, and a wrapper case's allowance). The one rule
+    of `memory-budget` and of the report's memory table: a figure fails when this exceeds its budget."""
+    return (nbytes - memory.budget_slack(c.T)) / memory.unit(c.T, c.v_local) - wrapper_allowance(c)
+
+
 @check("memory-budget", applies=lambda c, t: c.T > 0 and bool(t.memory_budget))
 def budget(ev: Evidence) -> list[str]:
     """The target's declared HARNESS_MEMORY_BUDGET: each figure (retained, peak_forward,
@@ -145,20 +152,18 @@ def budget(ev: Evidence) -> list[str]:
     unknown = sorted(set(ev.target.memory_budget) - set(memory.METERS))
     if unknown:
         return [f"HARNESS_MEMORY_BUDGET has unknown key(s) {unknown}; known: {list(memory.METERS)}"]
-    unit, allowed_extra = memory.unit(c.T, c.v_local), memory.budget_slack(c.T)
+    unit = memory.unit(c.T, c.v_local)
     problems = []
     for r in range(len(ev.ranks)):
         m = _mem(ev, r)
         for meter, mult in ev.target.memory_budget.items():
-            mult = mult + wrapper_allowance(c)
-            allowed = int(mult * unit) + allowed_extra
             got = m.get(meter)
-            if got is not None and got > allowed:
+            if got is not None and budget_use(c, got) > mult:
+                allowed = int((mult + wrapper_allowance(c)) * unit) + memory.budget_slack(c.T)
                 problems.append(f"rank {r}: {meter} {_fmt(got)} = {got / unit:.2f} x T*V_local*4, budget {mult} x "
-                                f"+ O(T) = {_fmt(allowed)}. Largest: {_list(m.get(f'{meter}_tensors', []))}")
+                                f"+ allowances = {_fmt(allowed)}. Largest: {_list(m.get(f'{meter}_tensors', []))}")
             cuda = m.get(f"cuda_{meter}")
-            cuda_allowed = allowed + memory.CUDA_BLOCK * (m.get(f"{meter}_count") or 0)
-            if cuda is not None and cuda > cuda_allowed:
+            if cuda is not None and budget_use(c, cuda - memory.CUDA_BLOCK * (m.get(f"{meter}_count") or 0)) > mult:
                 problems.append(f"rank {r}: CUDA allocator {meter} {_fmt(cuda)} = {cuda / unit:.2f} x T*V_local*4, "
-                                f"budget {_fmt(cuda_allowed)} (with {memory.CUDA_BLOCK} B rounding per storage)")
+                                f"above the budget of {mult} x (with {memory.CUDA_BLOCK} B rounding per storage)")
     return problems

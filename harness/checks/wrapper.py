@@ -9,10 +9,10 @@ WRAPPER = ("wrapper",)
 
 def _per_sample(ev: Evidence, key: str, what: str) -> list[str]:
     exp = ev.expected
-    want = exp.log_prob if key == "log_probs" else exp.entropy
+    want = getattr(exp, key)
     problems = []
     for r in ev.ranks:
-        got = r.obs.get(key)
+        got = getattr(r.obs, key)
         if want is None or got is None or len(got) != len(want):
             continue  # counted by wrapper-extraction
         for i, (g, w) in enumerate(zip(got, want)):
@@ -26,8 +26,7 @@ def extraction(ev: Evidence) -> list[str]:
     c: WrapperCase = ev.case
     problems = []
     for r in ev.ranks:
-        for key in ("log_probs", "entropy"):
-            metas = r.obs.get(f"{key}_meta")
+        for key, metas in (("log_probs", r.obs.log_prob_meta), ("entropy", r.obs.entropy_meta)):
             if metas is None:
                 if key == "entropy" and c.with_entropy:
                     problems.append(f"rank {r.rank}: with_entropy=True but res has no 'entropy'")
@@ -36,14 +35,14 @@ def extraction(ev: Evidence) -> list[str]:
                 problems.append(f"rank {r.rank}: {len(metas)} {key} entries for {len(c.response_lengths)} samples")
                 continue
             for i, (m, R) in enumerate(zip(metas, c.response_lengths)):
-                n = 1
-                for d in m["shape"]:
-                    n *= d
-                if n != R:
-                    problems.append(f"rank {r.rank}: {key}[{i}] has shape {list(m['shape'])}, response length is {R}")
-                if m["dtype"] != "float32":
-                    problems.append(f"rank {r.rank}: {key}[{i}] dtype {m['dtype']}, expected float32")
-    problems += _per_sample(ev, "log_probs", "log-probs (shifted targets, response rows)")
+                if m is None:
+                    problems.append(f"rank {r.rank}: {key}[{i}] is not a tensor")
+                    continue
+                if m.numel != R:
+                    problems.append(f"rank {r.rank}: {key}[{i}] has shape {list(m.shape)}, response length is {R}")
+                if m.dtype != "float32":
+                    problems.append(f"rank {r.rank}: {key}[{i}] dtype {m.dtype}, expected float32")
+    problems += _per_sample(ev, "log_prob", "log-probs (shifted targets, response rows)")
     return problems
 
 
@@ -60,9 +59,9 @@ def entropy_coef_rule(ev: Evidence) -> list[str]:
             if c.entropy_coef is None else []
     problems = []
     for r in ev.ranks:
-        for i, m in enumerate(r.obs.get("entropy_meta") or []):
-            if m["requires_grad"] != c.expects_entropy_grad:
-                problems.append(f"rank {r.rank}: entropy[{i}].requires_grad={m['requires_grad']} with entropy_coef={coef}; "
+        for i, m in enumerate(r.obs.entropy_meta or []):
+            if m is not None and m.requires_grad != c.expects_entropy_grad:
+                problems.append(f"rank {r.rank}: entropy[{i}].requires_grad={m.requires_grad} with entropy_coef={coef}; "
                                 f"expected {c.expects_entropy_grad}")
                 break
     return problems
@@ -78,13 +77,13 @@ def wrapper_entropy(ev: Evidence) -> list[str]:
 @check("temperature", levels=WRAPPER, applies=lambda c, t: c.temperature not in (None, 1.0), needs="forward")
 def temperature(ev: Evidence) -> list[str]:
     """The logits are divided by args.rollout_temperature before log-probs and entropy."""
-    return _per_sample(ev, "log_probs", "log-probs at temperature") + _per_sample(ev, "entropy", "entropy at temperature")
+    return _per_sample(ev, "log_prob", "log-probs at temperature") + _per_sample(ev, "entropy", "entropy at temperature")
 
 
 @check("top-p-replay", levels=WRAPPER, applies=lambda c, t: c.top_p != "none", needs="forward")
 def top_p_replay(ev: Evidence) -> list[str]:
     """The recorded nucleus masks the log-probs only; rows without one stay unmasked; entropy unmasked."""
-    return _per_sample(ev, "log_probs", "log-probs under top-p replay") + _per_sample(ev, "entropy", "entropy (never masked)")
+    return _per_sample(ev, "log_prob", "log-probs under top-p replay") + _per_sample(ev, "entropy", "entropy (never masked)")
 
 
 @check("wrapper-gradients", levels=WRAPPER, applies=lambda c, t: sum(c.response_lengths) > 0)
@@ -97,18 +96,16 @@ def wrapper_gradients(ev: Evidence) -> list[str]:
     return ev.compare(grad, exp.grad, exp.grad_atol, exp.grad_rtol, "grad (all shards)")
 
 
-@check("chunk-size-honoured", levels=WRAPPER,
-       applies=lambda c, t: c.chunk_size > 0 and c.top_p == "none" and t.kernel is not None)
+@check("chunk-size-honoured", levels=WRAPPER, applies=lambda c, t: c.kernel_comparable and t.kernel is not None)
 def chunk_size_honoured(ev: Evidence) -> list[str]:
     """args.log_probs_chunk_size reaches the kernel: where the target kernel's collectives depend on
     the chunk size, the wrapper's forward issues the chunked kernel's sequence, not the unchunked one."""
     problems = []
     for r in ev.ranks:
-        traces = r.obs.get("kernel_traces")
-        if not traces:
+        if r.obs.kernel_pass is None:
             continue
-        chunked, whole = traces[ev.case.chunk_size], traces[-1]
-        got = r.trace[: r.obs.get("n_forward_collectives", len(r.trace))]
+        chunked, whole = r.obs.kernel_pass.traces[ev.case.chunk_size], r.obs.kernel_pass.traces[-1]
+        got = r.trace[: r.obs.n_forward_collectives]
         if chunked != whole and got == whole:
             problems.append(f"rank {r.rank}: the wrapper issued the unchunked kernel's {len(whole)} collectives, "
                             f"not the {len(chunked)} of chunk_size={ev.case.chunk_size}: log_probs_chunk_size ignored")

@@ -14,7 +14,8 @@ from hypothesis.errors import Unsatisfiable
 
 from cases.strategies import kernel_cases, wrapper_cases
 from harness.checks import all_checks
-from harness.targets import TargetError, load_target
+from harness.errors import TargetError
+from harness.targets import load_target
 
 DTYPES = ("fp32", "bf16", "fp16")
 

@@ -1,7 +1,9 @@
 """Targets: the implementations under test, resolved from a spec string.
 
-A spec is an importable module path (`harness.targets.fused`, `mypkg.logprobs`) or `mutant:NAME`
-for an entry of the mutation catalog. A module provides the kernel, the wrapper, or both, under the
+A spec is an importable module path (`harness.targets.fused`, `mypkg.logprobs`) or `PREFIX:NAME`
+for a target namespace: a package that registers itself under the entry-point group
+`harness.target_namespaces` (the mutation catalog is `mutant:NAME`). The resolver knows no
+namespace by name. A module provides the kernel, the wrapper, or both, under the
 contract's names. Optional module attributes describe it further:
 
 - `HARNESS_CAPABILITIES`: dict overriding `{"entropy": True, "keep_mask": True}` for a routine that
@@ -11,10 +13,13 @@ contract's names. Optional module attributes describe it further:
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import inspect
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable
+
+from harness.errors import TargetError
 
 KERNEL = "calculate_log_probs_and_entropy"
 WRAPPER = "get_log_probs_and_entropy"
@@ -23,10 +28,6 @@ DEFAULT_TARGET = "harness.targets.fused"
 _KERNEL_CALL = ((None, None, None), dict(with_entropy=False, chunk_size=-1, log_prob_keep_mask=None, with_entropy_grad=True))
 _WRAPPER_CALL = ((None,), dict(args=None, unconcat_tokens=None, total_lengths=None, response_lengths=None,
                                with_entropy=False, non_loss_data=True, top_p_token_ids=None, top_p_token_offsets=None))
-
-
-class TargetError(Exception):
-    """The target cannot be checked at all (import failure, missing functions, wrong signature)."""
 
 
 @dataclass
@@ -69,16 +70,25 @@ def from_namespace(spec: str, ns: ModuleType | Any) -> Target:
 
 
 _cache: dict[str, Target] = {}
+NAMESPACE_GROUP = "harness.target_namespaces"
+
+
+def _namespace(prefix: str) -> Callable[[str], Any]:
+    """The resolver registered for `prefix:` specs (entry point `prefix = "module:function"`)."""
+    found = [ep for ep in importlib.metadata.entry_points(group=NAMESPACE_GROUP) if ep.name == prefix]
+    if not found:
+        known = sorted(ep.name for ep in importlib.metadata.entry_points(group=NAMESPACE_GROUP))
+        raise TargetError(f"unknown target namespace {prefix!r} in {prefix}:...; known: {known}")
+    return found[0].load()
 
 
 def load_target(spec: str) -> Target:
     """Resolve a spec once per process; raises TargetError with a one-line reason."""
     if spec in _cache:
         return _cache[spec]
-    if spec.startswith("mutant:"):
-        from harness.mutants import mutant_namespace
-
-        ns = mutant_namespace(spec.removeprefix("mutant:"))
+    prefix, sep, name = spec.partition(":")
+    if sep:
+        ns = _namespace(prefix)(name)
     else:
         try:
             ns = importlib.import_module(spec)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.mutants import mutant
+from harness.targets.mutants import mutant
 from harness.targets.fused import FusedLogProbEntropy as Fused
 
 

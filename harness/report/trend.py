@@ -9,14 +9,14 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from matplotlib.figure import Figure  # Figure.savefig renders PNG through Agg: no pyplot, no GUI
 
-from harness.baseline import FORMAT as BASELINE_FORMAT
+from harness.errors import UsageError
+from harness.perf_gate import FORMAT as BASELINE_FORMAT
 
 # metric -> (axis label, scale from the stored unit). Stored units: seconds, instructions, bytes.
 METRICS = {
@@ -122,16 +122,13 @@ def trend_figure(runs: list[Run]) -> Figure:
     return fig
 
 
-def cmd_trend(ns: argparse.Namespace) -> int:
+def cmd_trend(ns: argparse.Namespace, _cfg: Any = None) -> int:
     directory = Path(ns.directory)
     if not directory.is_dir():
-        print(f"harness trend: error: {directory} is not a directory", file=sys.stderr)
-        return 2
+        raise UsageError(f"{directory} is not a directory")
     runs = load_runs(directory)
     if not runs:
-        print(f"harness trend: error: no saved baseline or benchmark JSON with figures under {directory}",
-              file=sys.stderr)
-        return 2
+        raise UsageError(f"no saved baseline or benchmark JSON with figures under {directory}")
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     trend_figure(runs).savefig(out, dpi=110)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable
 
-from harness.targets import TargetError
+from harness.errors import TargetError
 from harness.targets import fused
 from harness.targets.fused import FusedLogProbEntropy
 

@@ -24,16 +24,21 @@ import inspect
 import json
 import shlex
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from cases.benchmarks import PERF_CASES
 from cases.case import KernelCase, parse_case
-from harness import instructions, perf
-from harness.execute import RankResult
-from harness.runner import Finding, Runner
-from harness.targets import DEFAULT_TARGET, Target, TargetError, load_target
+from harness.engine import callgrind
+from harness.engine.perf_jobs import PAIRED_JOB, TIME_JOB
+from harness.engine.runner import Runner
+from harness.errors import InstructionCountError, TargetError, UsageError
+from harness.findings import Finding
+from harness.meters import timing
+from harness.meters.memory import figures_of
+from harness.observations import RankResult
+from harness.targets import Target, load_target
 
 FORMAT = "harness-baseline/1"
 DEFAULT_THRESHOLD = 0.10
@@ -75,7 +80,7 @@ def finish(ns: argparse.Namespace, runner: Runner, result: dict[str, Any]) -> li
         print(comparison.markdown() + "\n")
         findings = comparison.findings
     if ns.save_baseline:
-        cases = [c for c in perf.PERF_CASES if c.tp in ns.tp]
+        cases = [c for c in PERF_CASES if c.tp in ns.tp]
         save(record(runner, cases, say), ns.save_baseline)
         say(f"saved {len(cases)} cases to {ns.save_baseline}")
         result["baseline_saved"] = ns.save_baseline
@@ -100,9 +105,13 @@ def code_fingerprint(target: Target) -> str:
     return digest.hexdigest()
 
 
+ENTROPY_LABELS = {"log-prob only": "logprob", "metric-only entropy": "ent-metric",
+                  "differentiable entropy": "ent-grad"}
+
+
 def label(case: KernelCase) -> str:
     """Short name of a benchmark case for tables: TP, T x V_local, dtype, entropy, chunk, mask."""
-    entropy = "logprob" if not case.with_entropy else "ent-grad" if case.with_entropy_grad else "ent-metric"
+    entropy = ENTROPY_LABELS[case.entropy_mode]
     parts = [f"tp{case.tp}", f"T{case.T}xV{case.v_local}", case.dtype, entropy]
     if case.chunk_size > 0:
         parts.append(f"chunk{case.chunk_size}")
@@ -125,13 +134,11 @@ def collective_counts(ranks: list[RankResult]) -> dict[str, int]:
 
 def memory_figures(ranks: list[RankResult]) -> dict[str, int]:
     """Memory figures (bytes), the largest over ranks, plus `peak_bytes` = the larger peak."""
-    from harness.memory import figures_of
-
     out: dict[str, int] = {}
     for r in ranks:
-        if "memory" not in r.obs:
+        if not r.obs.memory:
             continue
-        for k, v in figures_of(r.obs["memory"]).items():
+        for k, v in figures_of(r.obs.memory).items():
             if isinstance(v, (int, float)):
                 out[k] = max(out.get(k, v), v)
     peaks = [out[k] for k in ("peak_forward_bytes", "peak_backward_bytes") if k in out]
@@ -146,12 +153,12 @@ def _pool_values(runner: Runner, case: KernelCase, job: str, *args: Any) -> list
     errors = [r.error for r in replies if isinstance(r, RankResult)]
     if errors:
         raise RuntimeError(f"{job} failed on {case.spec()}: {errors[0]}")
-    return perf.merge_ranks(replies)
+    return timing.merge_ranks(replies)
 
 
 def _static(runner: Runner, case: KernelCase) -> dict[str, Any]:
     """The deterministic figures of one case from the runner's (cached) execution."""
-    ev = runner.execute(case)
+    ev = runner.run(case)
     if ev.failed_ranks:
         return {"error": ev.failed_ranks[0].error}
     return {"collectives": collective_counts(ev.ranks), "memory": memory_figures(ev.ranks)}
@@ -171,7 +178,7 @@ def record(runner: Runner, cases: list[KernelCase], say: Callable[[str], None] =
         say(f"recording {label(case)}")
         entry = {"case": case.spec(), "label": label(case), **_static(runner, case)}
         if "error" not in entry:
-            times = sorted(_pool_values(runner, case, "harness.perf:time_job", case, target.spec, perf.REPEATS))
+            times = sorted(_pool_values(runner, case, TIME_JOB, case, target.spec, timing.REPEATS))
             entry["time_s"] = times[len(times) // 2]
         entries.append(entry)
     counted = _instructions(target.spec, [c for c in cases if c.tp == 1], runner.device, say)
@@ -188,14 +195,14 @@ def record(runner: Runner, cases: list[KernelCase], say: Callable[[str], None] =
 def _instructions(spec: str, cases: list[KernelCase], device: str, say: Callable[[str], None]) -> dict[str, Any]:
     if not cases or device != "cpu":
         return {}
-    why = instructions.available()
+    why = callgrind.available()
     if why:
         say(f"instruction counts skipped: {why}")
         return {"skipped": why}
     say(f"counting instructions of {len(cases)} single-rank cases under callgrind (about 30 s)")
     try:
-        return instructions.count(spec, cases)
-    except instructions.InstructionCountError as e:  # the other figures still stand
+        return callgrind.count(spec, cases)
+    except InstructionCountError as e:  # the other figures still stand
         say(f"instruction counts failed: {e}")
         return {"skipped": str(e)[:500]}
 
@@ -206,8 +213,6 @@ def save(data: dict[str, Any], path: str | Path) -> None:
 
 
 def load(path: str | Path) -> dict[str, Any]:
-    from harness.cli import UsageError
-
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -265,7 +270,7 @@ class Comparison:
     def to_json(self) -> dict[str, Any]:
         return {"file": self.file, "target": self.target, "baseline_target": self.baseline_target,
                 "reference": self.reference, "threshold": self.threshold, "decision_line": self.threshold / 2,
-                "clock": self.clock, "pairs": perf.PAIRS, "rounds": perf.ROUNDS, "confidence": perf.CONFIDENCE, "note": self.note,
+                "clock": self.clock, "pairs": timing.PAIRS, "rounds": timing.ROUNDS, "confidence": timing.CONFIDENCE, "note": self.note,
                 "rows": self.rows, "findings": [f.to_json() for f in self.findings], "markdown": self.markdown()}
 
 
@@ -335,17 +340,17 @@ def compare(runner: Runner, base: dict[str, Any], threshold: float = DEFAULT_THR
 def _compare_time(cmp: Comparison, runner: Runner, case: KernelCase, old: dict[str, Any],
                   reference: str | None, threshold: float) -> None:
     if reference is None:
-        times = sorted(_pool_values(runner, case, "harness.perf:time_job", case, runner.target.spec, perf.REPEATS))
+        times = sorted(_pool_values(runner, case, TIME_JOB, case, runner.target.spec, timing.REPEATS))
         cmp.row(case, "time (ms)", old.get("time_s", 0) * 1e3, times[len(times) // 2] * 1e3, "not judged (unpaired)")
         return
-    r, _ = perf.sequential_ratio(lambda seed: _pool_values(runner, case, "harness.perf:paired_job", case, reference,
-                                                           runner.target.spec, perf.PAIRS, seed), threshold)
+    r, _ = timing.sequential_ratio(lambda seed: _pool_values(runner, case, PAIRED_JOB, case, reference,
+                                                           runner.target.spec, timing.PAIRS, seed), threshold)
     verdict = r.verdict(threshold)
     cmp.row(case, "time (ms)", r.old_s * 1e3, r.new_s * 1e3, verdict, verdict == "slower", (r.low, r.high))
     cmp.rows[-1]["ratio"] = r.median  # the median of the paired ratios, not the ratio of the medians
     if verdict == "slower":
         cmp.flag("perf-time", case,
-                 f"{r.median:.3f}x the time of {reference} ({perf.CONFIDENCE:.0%} CI {r.low:.3f}-{r.high:.3f}, "
+                 f"{r.median:.3f}x the time of {reference} ({timing.CONFIDENCE:.0%} CI {r.low:.3f}-{r.high:.3f}, "
                  f"{r.pairs} paired calls, {cmp.clock}): {r.median - 1:.0%} slower, beyond the "
                  f"{threshold / 2:.0%} decision line of the {threshold:.0%} threshold")
 
@@ -382,28 +387,3 @@ def _compare_memory(cmp: Comparison, case: KernelCase, before: dict[str, int], a
     if grown:
         cmp.flag("perf-memory", case, "more memory than the baseline: " +
                  ", ".join(f"{k} {a:,} -> {b:,}" for k, (a, b) in grown.items()))
-
-
-# ---------------------------------------------------------------------------- for `harness mutate`
-def mutant_hunter(tps: list[int], pools: dict, seed: int) -> Callable[[Any, dict], Any]:
-    """`harness mutate`'s hook for `needs_baseline` mutants: each is compared with a baseline of the
-    clean routine on the benchmark cases at the TP sizes where it can be seen (recorded once)."""
-    from harness.mutate import HuntResult
-
-    recorded: dict[tuple[int, ...], dict[str, Any]] = {}
-
-    def hunt(m: Any, pools: dict) -> HuntResult:
-        start = time.perf_counter()
-        sizes = tuple(tp for tp in tps if tp in m.tp)
-        cases = [c for c in perf.PERF_CASES if c.tp in sizes]
-        if not cases:
-            return HuntResult(m.name, m.expected, skipped=f"no benchmark case at TP {list(tps)}")
-        if sizes not in recorded:
-            recorded[sizes] = record(Runner(DEFAULT_TARGET, pools=pools), cases)
-        runner = Runner(m.spec, pools=pools)
-        cmp = compare(runner, recorded[sizes], file=f"<baseline of {DEFAULT_TARGET}>")
-        fired: dict[str, Finding] = {}
-        for f in cmp.findings:
-            fired.setdefault(f.check, f)
-        return HuntResult(m.name, m.expected, fired, runner.cases_run, time.perf_counter() - start)
-    return hunt

@@ -19,25 +19,24 @@ from __future__ import annotations
 
 import functools
 import os
-import traceback
 from argparse import Namespace
 from datetime import timedelta
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from harness import trace
-from harness.execute import RankResult
-from harness.pool import PoolStartError, RankContext, WorkerPool, _resolve
+from harness.engine.pool import RankContext, WorkerPool, resolve
+from harness.errors import LaunchError
+from harness.meters import trace
+from harness.observations import RankResult
+
+if TYPE_CHECKING:
+    from harness.options import RunConfig
 
 LAUNCH_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
 # Serving ranks wait on the control group while the driver evaluates, shrinks and reports.
 CONTROL_TIMEOUT = timedelta(days=1)
-
-
-class LaunchError(PoolStartError):
-    """The launched world cannot serve the run asked for (wrong --tp, no CUDA for --device cuda)."""
 
 
 def active() -> bool:
@@ -63,10 +62,9 @@ def check_sizes(tp_sizes: list[int]) -> None:
 
 def _call(ctx: RankContext, fn_path: str, args: tuple) -> Any:
     try:
-        return _resolve(fn_path)(ctx, *args)
+        return resolve(fn_path)(ctx, *args)
     except Exception as e:  # a job failing is its result, as in the harness's own pools
-        return RankResult(ctx.rank, error=f"{type(e).__name__}: {e}", error_kind="exception",
-                          obs={"traceback": traceback.format_exc(limit=8)})
+        return RankResult.from_exception(ctx.rank, e)
 
 
 class LaunchedPool:
@@ -198,11 +196,11 @@ def drive(main: Callable[[], int], tp_sizes: list[int], device: str, collective_
     return code
 
 
-def serving(command: Callable[[Namespace], int]) -> Callable[[Namespace], int]:
+def serving(command: Callable[[Namespace, "RunConfig"], int]) -> Callable[[Namespace, "RunConfig"], int]:
     """For a CLI command with --tp/--device/--collective-timeout: under torchrun, `drive` it."""
     @functools.wraps(command)
-    def run(ns: Namespace) -> int:
+    def run(ns: Namespace, cfg: "RunConfig") -> int:
         if not active():
-            return command(ns)
-        return drive(lambda: command(ns), ns.tp, ns.device, ns.collective_timeout)
+            return command(ns, cfg)
+        return drive(lambda: command(ns, cfg), cfg.tp, cfg.device, cfg.collective_timeout_s)
     return run

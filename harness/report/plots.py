@@ -12,7 +12,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from harness import report_view
+from harness.report import view as report_view
 
 MARGIN_FLOOR = 1e-4  # error/tolerance below this is drawn at the floor of the log axis
 OK, BAD = "#2e7d32", "#c62828"

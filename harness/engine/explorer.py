@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from cases.corpus import CORPUS
 from cases.profiles import explore_settings
 from cases.strategies import LEVEL_STRATEGIES
-from harness.runner import Finding, Runner
+from harness.engine.runner import Runner
+from harness.findings import Finding
 
 
 class _Stop(Exception):

@@ -1,10 +1,10 @@
 """Performance defects: right values, more work. Only a comparison with the clean routine's baseline
-(`harness.baseline`) can see them, so each is registered with `needs_baseline=True`."""
+(`harness.perf_gate`) can see them, so each is registered with `needs_baseline=True`."""
 from __future__ import annotations
 
 import torch
 
-from harness.mutants import mutant
+from harness.targets.mutants import mutant
 from harness.targets.fused import FusedLogProbEntropy as Fused
 
 

@@ -18,10 +18,13 @@ from typing import Any
 import jinja2
 
 from cases.case import Case
-from harness import memory, report_view
 from harness.checks import Evidence
-from harness.report_plots import baseline_figure, margin_figure, memory_figure, png_uri
-from harness.runner import Finding, Runner
+from harness.checks.memory import budget_use
+from harness.engine.runner import Runner
+from harness.findings import Finding
+from harness.meters import memory
+from harness.report import view as report_view
+from harness.report.plots import baseline_figure, margin_figure, memory_figure, png_uri
 
 SUFFIXES = (".html", ".md")
 
@@ -48,38 +51,30 @@ def finish(ns: argparse.Namespace, runner: Runner, result: dict[str, Any]) -> li
     return []
 
 
-def memory_mode(case: Case) -> str:
-    if not case.with_entropy:
-        return "log-prob only"
-    return "differentiable entropy" if case.expects_entropy_grad else "metric-only entropy"
-
-
 def memory_config(case: Case) -> str:
     """Configurations as memory differs: per-rank bytes in units of T*V_local*4 do not depend on
     the TP size, they do on the input dtype and on what the entropy costs."""
     dtype = f" {case.dtype}" if case.level == "kernel" else ""
-    return f"{case.level}{dtype}, {memory_mode(case)}"
+    return f"{case.level}{dtype}, {case.entropy_mode}"
 
 
 def memory_by_config(executed: list[Evidence], budget: dict[str, float]) -> dict[str, Any] | None:
-    """The worst of each memory figure per configuration, over the cases run and their ranks, in
-    multiples of T*V_local*4 bytes beyond the O(T) the budget check allows (`harness.memory.slack`):
-    the same scale as HARNESS_MEMORY_BUDGET, so a figure above its budget fails `memory-budget`.
-    None when no case was measured."""
+    """The worst of each memory figure per configuration, over the cases run and their ranks, on the
+    scale of HARNESS_MEMORY_BUDGET (`checks.memory.budget_use`): a figure above its budget is one
+    that fails `memory-budget`. None when no case was measured."""
     configs: dict[str, dict[str, Any]] = {}
     for ev in executed:
         case = ev.case
-        figures = [r.obs.get("memory") for r in ev.ranks]
+        figures = [r.obs.memory for r in ev.ranks]
         if case.T == 0 or ev.failed_ranks or not all(figures):
             continue
-        unit, slack = memory.unit(case.T, case.v_local), memory.slack(case.T)
         row = configs.setdefault(memory_config(case), {"cases": 0, "worst": {}})
         row["cases"] += 1
         for meter in memory.METERS:
             got = [f[meter] for f in figures if f.get(meter) is not None]
             if not got:
                 continue
-            value = max(0.0, (max(got) - slack) / unit)
+            value = max(0.0, budget_use(case, max(got)))
             if value >= row["worst"].get(meter, {"value": -1.0})["value"]:
                 row["worst"][meter] = {"value": round(value, 4), "case": case.spec()}
     if not configs:
@@ -94,7 +89,7 @@ def write_report(path: Path, result: dict[str, Any]) -> None:
 
 
 def _environment(autoescape: bool) -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.PackageLoader("harness", "templates"), autoescape=autoescape,
+    env = jinja2.Environment(loader=jinja2.PackageLoader("harness.report", "templates"), autoescape=autoescape,
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
                              keep_trailing_newline=True)
     env.filters["md_cell"] = lambda s: str(s).replace("|", "\\|").replace("\n", " ")

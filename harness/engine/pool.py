@@ -27,7 +27,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from harness.execute import RankResult
+from harness.errors import PoolStartError
+from harness.observations import RankResult
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 20.0
 STARTUP_TIMEOUT_S = 120.0
@@ -50,7 +51,7 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _resolve(path: str) -> Any:
+def resolve(path: str) -> Any:
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
 
@@ -62,7 +63,7 @@ def _worker_main(rank: int, world: int, store_dir: str, conn: Connection, backen
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from harness import trace
+    from harness.meters import trace
 
     trace.install()  # before any target import, so early-bound names are traced too
     device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
@@ -92,20 +93,15 @@ def _worker_main(rank: int, world: int, store_dir: str, conn: Connection, backen
             break
         fn_path, args = msg
         try:
-            reply = _resolve(fn_path)(ctx, *args)
+            reply = resolve(fn_path)(ctx, *args)
         except Exception as e:  # a job function failing is reported, never fatal to the worker
-            reply = RankResult(rank, error=f"{type(e).__name__}: {e}", error_kind="exception",
-                               obs={"traceback": traceback.format_exc(limit=8)})
+            reply = RankResult.from_exception(rank, e)
         conn.send(reply)
     try:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
     except Exception:
         pass
-
-
-class PoolStartError(RuntimeError):
-    pass
 
 
 class WorkerPool:

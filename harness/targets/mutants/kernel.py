@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from harness.mutants import mutant
+from harness.targets.mutants import mutant
 from harness.targets.fused import FusedLogProbEntropy as Fused
 
 TP_ONLY = (2, 4)  # a collective or sharding defect is invisible on a single rank

@@ -1,4 +1,4 @@
-"""Deterministic CPU cost: instructions executed by one forward+backward, counted by callgrind.
+"""A one-rank run under callgrind: the instructions executed by one forward+backward.
 
 Wall-clock time on a shared 2-core box drifts by 30% and more between runs; the number of
 instructions a single-threaded call executes does not. A child Python runs under
@@ -27,16 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from cases.case import KernelCase, parse_case
+from harness.errors import InstructionCountError
 
 MARKER = "_PyEval_CallTracing"  # the C function behind sys.call_tracing: called by nothing else we run
 WARMUP_CALLS = 3  # lazy initialisation and Python's specializing interpreter settle before counting
 REPEATS = 2  # measured calls per case: their agreement is the repeatability the record carries
 TIMEOUT_S = 900.0
 KEPT_ENV = ("PATH", "HOME", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
-
-
-class InstructionCountError(RuntimeError):
-    pass
 
 
 def available() -> str | None:
@@ -61,7 +58,7 @@ def count(target_spec: str, cases: list[KernelCase]) -> dict[str, Any]:
         job = json.dumps({"target": target_spec, "cases": [c.spec() for c in cases]})
         cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
                f"--toggle-collect={MARKER}", f"--dump-after={MARKER}", f"--callgrind-out-file={out}",
-               sys.executable, "-m", "harness.instructions", job]
+               sys.executable, "-m", "harness.engine.callgrind", job]
         # A fixed environment: its size moves the stack, and with it the alignment of buffers, so
         # the caller's variables would change the count by a few thousand instructions.
         env = {k: os.environ[k] for k in KEPT_ENV if k in os.environ}
@@ -119,7 +116,7 @@ def _child(job: dict[str, Any]) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from harness.perf import prepared_call
+    from harness.engine.calls import prepared_call
     from harness.targets import load_target
 
     target = load_target(job["target"])

@@ -4,44 +4,21 @@ case -> pool (every rank) -> RankResults -> Evidence -> checks (against the orac
 """
 from __future__ import annotations
 
-import shlex
 import time
 from collections import OrderedDict, defaultdict
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
 from cases.case import Case
-from harness import launched
 from harness.checks import Check, Evidence, all_checks
-from harness.execute import RankResult, execute
-from harness.pool import RankContext, WorkerPool
+from harness.engine import torchrun
+from harness.engine.executor import CASE_JOB
+from harness.engine.pool import WorkerPool
+from harness.findings import Finding, repro_command
+from harness.observations import RankResult
+from harness.options import RunConfig
 from harness.targets import Target, load_target
 
-JOB = "harness.runner:case_job"
 CACHE_SIZE = 4096
-
-
-def case_job(ctx: RankContext, case: Case, target_spec: str) -> RankResult:
-    """Worker-side entry: the target is resolved once per worker process."""
-    return execute(case, load_target(target_spec), ctx.rank, ctx.device)
-
-
-@dataclass
-class Finding:
-    check: str
-    level: str
-    case: str
-    message: str
-    repro: str
-    ranks: list[int] = field(default_factory=list)
-    shrunk: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def repro_command(target: str, case: Case) -> str:
-    return f"python -m harness repro --target {shlex.quote(target)} {shlex.quote(case.spec())}"
 
 
 def _needs_rebuild(results: list[RankResult]) -> bool:
@@ -66,6 +43,7 @@ class Runner:
 
     def __init__(self, target_spec: str, device: str = "cpu", collective_timeout_s: float = 20.0,
                  checks: dict[str, Check] | None = None, pools: dict[int, WorkerPool] | None = None):
+        """`pools`: pools to share with other runners (a test session's); None: own ones, closed by `close`."""
         self.target: Target = load_target(target_spec)
         self.device = device
         self.collective_timeout_s = collective_timeout_s
@@ -77,13 +55,17 @@ class Runner:
         self.stats: dict[tuple[str, str], CheckStats] = defaultdict(CheckStats)
         self._cache: OrderedDict[Case, Evidence] = OrderedDict()
 
+    @classmethod
+    def for_run(cls, cfg: RunConfig, target: str | None = None) -> "Runner":
+        return cls(target or cfg.target, cfg.device, cfg.collective_timeout_s, pools=cfg.pools)
+
     def pool(self, tp: int) -> WorkerPool:
         if tp not in self.pools:
-            shared = launched.pool(tp)  # under torchrun: the launched ranks instead of a pool of our own
+            shared = torchrun.pool(tp)  # under torchrun: the launched ranks instead of a pool of our own
             self.pools[tp] = shared if shared is not None else WorkerPool(tp, self.device, self.collective_timeout_s)
         return self.pools[tp]
 
-    def execute(self, case: Case) -> Evidence:
+    def run(self, case: Case) -> Evidence:
         """Run a case on every rank of its pool. Results are cached per case: checks that share
         draws (pytest ids of one group, twins) share one distributed run."""
         if case in self._cache:
@@ -91,7 +73,7 @@ class Runner:
             return self._cache[case]
         pool = self.pool(case.tp)
         start = time.perf_counter()
-        results = pool.run(JOB, case, self.target.spec)
+        results = pool.run(CASE_JOB, case, self.target.spec)
         self.run_seconds += time.perf_counter() - start
         self.cases_run += 1
         if _needs_rebuild(results) and pool.procs:
@@ -107,7 +89,7 @@ class Runner:
 
     def check(self, case: Case, only: set[str] | None = None) -> tuple[Evidence, list[Finding]]:
         """Run one case (and the twins its checks ask for); evaluate every applicable check."""
-        ev = self.execute(case)
+        ev = self.run(case)
         ev = Evidence(case, self.target, ev.ranks)  # fresh twins and margins for this evaluation
         findings = []
         for chk in self.checks.values():
@@ -119,7 +101,7 @@ class Runner:
                 twin_case = chk.twin(case)
                 if twin_case is None:
                     continue
-                twin = self.execute(twin_case)
+                twin = self.run(twin_case)
                 if chk.needs and not twin.completed(chk.needs):
                     continue  # the twin's own crash is reported when it runs as a case
                 ev.twins[chk.name] = twin

@@ -35,8 +35,6 @@ from typing import Any, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cases.case import Case, KernelCase, WrapperCase
-
 # The "O(T)" tolerances, in bytes per row plus a constant. Two calls of one routine compared differ
 # by an output or a token vector at most: four float32 vectors. An absolute figure against a budget
 # also holds the per-row temporaries of its peak (ids, masks, row statistics): sixteen.
@@ -60,13 +58,6 @@ def budget_slack(T: int) -> int:
 def unit(T: int, v_local: int) -> int:
     """Budgets are multiples of one float32 `[T, V_local]` tensor."""
     return T * v_local * 4
-
-
-def compares_kernel(case: Case, target: Any) -> bool:
-    """Whether a wrapper job also measures the target kernel on its rows (for
-    `memory-chunk-passthrough`): chunked, temperature 1, no top-p, and a kernel to compare with."""
-    return (case.level == "wrapper" and case.T > 0 and case.chunk_size > 0 and case.top_p == "none"
-            and case.temperature in (None, 1.0) and target.kernel is not None)
 
 
 @dataclass(slots=True)
@@ -297,108 +288,8 @@ class Meter(TorchDispatchMode):
                             leftover=sum(e.nbytes for e in left), leftover_tensors=_top(left))
 
 
-# -------------------------------------------------------------------- kernel figures in a wrapper job
-def kernel_figures(case: WrapperCase, target: Any, logits: torch.Tensor, group: Any,
-                   device: torch.device) -> dict[int, dict[str, Any]]:
-    """The target kernel's own figures on the wrapper's rows, at the case's chunk size and
-    unchunked, called as the wrapper calls it (a `[1, T, V_local]` leaf squeezed, shifted targets,
-    the same per-sample losses): what `memory-chunk-passthrough` compares the wrapper with."""
-    import reference
-    from harness import trace
-
-    full = case.inputs()
-    tokens = reference.shifted_targets(full.unconcat_tokens, list(case.total_lengths)).to(device)
-    out = {}
-    for chunk in (case.chunk_size, -1):
-        leaf = logits.detach().clone().requires_grad_(True)
-        meter = Meter((leaf, tokens), device)
-        with trace.recording(), meter.forward():  # its collectives stay out of the job's trace
-            log_prob, entropy = target.kernel(leaf.squeeze(0), tokens, group, with_entropy=case.with_entropy,
-                                              chunk_size=chunk, log_prob_keep_mask=None,
-                                              with_entropy_grad=case.expects_entropy_grad)
-        meter.outputs(log_prob, entropy)
-        loss = _response_loss(case, log_prob, full.w_log_probs, device)
-        if entropy is not None and entropy.requires_grad:
-            loss = loss + _response_loss(case, entropy, full.w_entropy, device)
-        if isinstance(loss, torch.Tensor) and loss.requires_grad:
-            with trace.recording(), meter.backward():
-                loss.backward()
-        out[chunk] = meter.figures
-    return out
-
-
-def _response_loss(case: WrapperCase, values: torch.Tensor, weights: list[torch.Tensor], device: torch.device) -> Any:
-    # Empty responses too: their slices' backward allocates like any other, in the wrapper job as here.
-    flat, loss, offset = values.reshape(-1), 0.0, 0
-    for length, resp, w in zip(case.total_lengths, case.response_lengths, weights):
-        a = offset + length - resp - 1
-        offset += length
-        loss = loss + (flat[a:a + resp] * w.to(device=device, dtype=flat.dtype)).sum()
-    return loss
-
-
-# -------------------------------------------------------------------- for the baseline (issue 6)
-def measure_case(ctx: Any, case: Case, target_spec: str) -> dict[str, Any]:
-    """Rank-side, through `pool.run("harness.memory:measure_case", case, target_spec)`: this rank's
-    figures for one case (`retained_bytes`, `peak_forward_bytes`, `peak_backward_bytes`, plus the
-    `cuda_*` ones on CUDA; `peak_backward_bytes` None without a backward), or `{"error": ...}`
-    when the target raised."""
-    from harness.execute import execute
-    from harness.targets import load_target
-
-    result = execute(case, load_target(target_spec), ctx.rank, ctx.device)
-    if result.error:
-        return {"error": result.error}
-    return figures_of(result.obs["memory"])
-
-
 def figures_of(mem: dict[str, Any]) -> dict[str, Any]:
-    """The scalar figures of one rank's `obs["memory"]`, named as the baseline file names them."""
+    """The scalar figures of one rank's memory observation, named as the baseline file names them."""
     out = {f"{m}_bytes": mem.get(m) for m in METERS}
     out.update({k: v for k, v in mem.items() if k.startswith("cuda_")})
     return out
-
-
-# -------------------------------------------------------------------- the docs table
-def _table_cases() -> list[KernelCase]:
-    base = KernelCase(tp=1, T=256, v_local=4096, seed=5)
-    cases = []
-    for dtype in ("fp32", "bf16"):
-        for mask in ("none", "random"):
-            for mode in ("log-prob", "metric-only", "entropy-grad"):
-                for chunk in (-1, 32):
-                    cases.append(base.replace(dtype=dtype, mask=mask, chunk_size=chunk,
-                                              with_entropy=mode != "log-prob",
-                                              with_entropy_grad=mode == "entropy-grad"))
-    return cases
-
-
-def table(targets: tuple[str, ...] = ("harness.targets.fused", "harness.targets.naive")) -> str:
-    """Markdown: the retained and peak figures of each target on the same kernel cases (TP 1, in
-    this process), in units of T*V_local*4, with the ratio of the first target to the second."""
-    from harness.execute import execute
-    from harness.targets import load_target
-
-    loaded = [load_target(t) for t in targets]
-    names = [t.rsplit(".", 1)[-1] for t in targets]
-    head = ["dtype", "mask", "entropy", "chunk"] + [f"{m} {n}" for m in METERS for n in names] + \
-           [f"{m} ratio" for m in METERS]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for case in _table_cases():
-        figs = []
-        for target in loaded:
-            r = execute(case, target, 0, torch.device("cpu"))
-            if r.error:
-                raise RuntimeError(f"{target.spec} failed on {case.spec()}: {r.error}")
-            figs.append(r.obs["memory"])
-        u = unit(case.T, case.v_local)
-        mode = "log-prob" if not case.with_entropy else "entropy-grad" if case.with_entropy_grad else "metric-only"
-        row = [case.dtype, case.mask, mode, str(case.chunk_size)]
-        row += [f"{f[m] / u:.2f}" for m in METERS for f in figs]
-        row += [f"{figs[0][m] / figs[1][m]:.2f}" if figs[1][m] else "-" for m in METERS]
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    print(table())

@@ -1,4 +1,4 @@
-"""`python -m harness checks`: what every registered check asserts, from the registry itself.
+"""`python -m harness checks`: what every registered check asserts, listed from the registry itself.
 
 The docstring of a check is its definition: this lists them (with the levels it runs at, the
 smallest TP size at which it can fail, and the catalog mutants it is meant to catch), so the
@@ -17,7 +17,7 @@ def _one_line(doc: str) -> str:
 
 
 def _mutants_by_check() -> dict[str, list[str]]:
-    from harness.mutants import catalog
+    from harness.targets.mutants import catalog
 
     out: dict[str, list[str]] = defaultdict(list)
     for m in catalog().values():
@@ -52,7 +52,7 @@ def plain() -> str:
     return "\n\n".join(blocks)
 
 
-def cmd_checks(ns: argparse.Namespace) -> int:
+def cmd_checks(ns: argparse.Namespace, _cfg: object = None) -> int:
     print(markdown() if ns.markdown else plain())
     return 0
 

@@ -1,0 +1,176 @@
+"""Rank-side execution of one case: build this rank's shard, run the target, record what happened.
+
+Nothing here judges the target. It records outputs, flags, gradients, input integrity, memory and
+collectives in an `Observation`, so that the checks in the main process decide, against one
+oracle run. An exception raised by the target is an observation too.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import reference
+from cases.case import Case, KernelCase, WrapperCase
+from harness.engine.calls import KernelShard, shard, tp_group, weighted
+from harness.meters import trace
+from harness.meters.memory import Meter
+from harness.observations import KernelPass, Observation, RankResult, TensorMeta
+from harness.targets import Target, load_target
+
+CASE_JOB = "harness.engine.executor:case_job"
+
+
+class _Integrity:
+    """Snapshot of the caller's tensors: values and version counters must survive the call."""
+
+    def __init__(self, **tensors: torch.Tensor | None):
+        self.tensors = {k: v for k, v in tensors.items() if v is not None}
+        self.values = {k: v.detach().clone() for k, v in self.tensors.items()}
+        self.versions = {k: v._version for k, v in self.tensors.items()}
+
+    def problems(self, stage: str) -> list[str]:
+        out = []
+        for k, t in self.tensors.items():
+            if t._version != self.versions[k]:
+                out.append(f"{k}: version counter {self.versions[k]} -> {t._version} after {stage} (in-place write)")
+            if not torch.equal(t.detach(), self.values[k]) and not _same_with_nan(t.detach(), self.values[k]):
+                out.append(f"{k}: values changed after {stage}")
+        return out
+
+
+def _same_with_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def _detached(t: Any) -> Any:
+    return t.detach().cpu().clone() if isinstance(t, torch.Tensor) else t
+
+
+def run_kernel(case: KernelCase, target: Target, rank: int, group: Any, device: torch.device,
+               obs: Observation) -> None:
+    """Fills `obs` as it goes: a backward that raises leaves the forward's observations."""
+    inp = KernelShard.of(case, rank, device)
+    integrity = _Integrity(logits=inp.logits, tokens=inp.tokens, log_prob_keep_mask=inp.keep_mask)
+    meter = Meter((inp.logits, inp.tokens, inp.keep_mask), device)
+    with meter.forward():
+        log_prob, entropy = inp.call(target, case, group)
+    meter.outputs(log_prob, entropy)
+    obs.log_prob, obs.entropy = _detached(log_prob), _detached(entropy)
+    obs.log_prob_meta, obs.entropy_meta = TensorMeta.of(log_prob), TensorMeta.of(entropy)
+    obs.integrity = integrity.problems("forward")
+    obs.stage = "forward"
+    loss = inp.loss(log_prob, entropy)
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        with meter.backward():
+            loss.backward()
+        obs.grad, obs.grad_meta = _detached(inp.logits.grad), TensorMeta.of(inp.logits.grad)
+        obs.integrity += integrity.problems("backward")
+    obs.memory = meter.figures
+    obs.stage = "backward"
+
+
+def wants_kernel_pass(case: Case, target: Target) -> bool:
+    """Whether a wrapper job also runs its rows through the target's kernel, to compare with."""
+    return isinstance(case, WrapperCase) and case.kernel_comparable and target.kernel is not None
+
+
+def run_wrapper(case: WrapperCase, target: Target, rank: int, device: torch.device, obs: Observation) -> None:
+    full = case.inputs()
+    logits = shard(full.logits, rank, case.v_local, device).unsqueeze(0).requires_grad_(True)
+    tokens = [t.to(device) for t in full.unconcat_tokens]
+    integrity = _Integrity(logits=logits, **{f"tokens[{i}]": t for i, t in enumerate(tokens)})
+    top_p_ids, top_p_offsets = _to(full.top_p_token_ids, device), _to(full.top_p_token_offsets, device)
+    meter = Meter((logits, tokens, top_p_ids, top_p_offsets), device)
+    with meter.forward():
+        _, res = target.wrapper(
+            logits, args=case.args(), unconcat_tokens=tokens,
+            total_lengths=list(case.total_lengths), response_lengths=list(case.response_lengths),
+            with_entropy=case.with_entropy, top_p_token_ids=top_p_ids, top_p_token_offsets=top_p_offsets)
+    meter.outputs(res)
+    obs.n_forward_collectives = trace.count()
+    log_probs = list(res.get("log_probs", []))
+    entropy = res.get("entropy")
+    obs.log_prob = [_detached(t) for t in log_probs]
+    obs.log_prob_meta = [TensorMeta.of(t) for t in log_probs]
+    if entropy is not None:
+        obs.entropy = [_detached(t) for t in entropy]
+        obs.entropy_meta = [TensorMeta.of(t) for t in entropy]
+    obs.integrity = integrity.problems("forward")
+    obs.stage = "forward"
+    loss = sum((weighted(t, w, device) for t, w in zip(log_probs, full.w_log_probs)), 0.0)
+    if entropy is not None:
+        loss = loss + sum((weighted(t, w, device) for t, w in zip(entropy, full.w_entropy)), 0.0)
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        with meter.backward():
+            loss.backward()
+        obs.grad = _detached(logits.grad[0]) if logits.grad is not None else None
+        obs.integrity += integrity.problems("backward")
+    obs.memory = meter.figures
+    if wants_kernel_pass(case, target):
+        obs.kernel_pass = kernel_pass(case, target, logits.detach(), device)
+    obs.stage = "backward"
+
+
+def kernel_pass(case: WrapperCase, target: Target, logits: torch.Tensor, device: torch.device) -> KernelPass:
+    """The target kernel on the wrapper's rows, at the case's chunk size and unchunked, called as
+    the wrapper calls it (a `[1, T, V_local]` leaf squeezed, shifted targets, the same per-sample
+    losses). Its collectives stay out of the job's trace. The temperature is left out: it changes
+    neither the collectives nor, at temperature 1 where memory is compared, the bytes."""
+    full = case.inputs()
+    tokens = reference.shifted_targets(full.unconcat_tokens, list(case.total_lengths)).to(device)
+    out = KernelPass()
+    for chunk in (case.chunk_size, -1):
+        leaf = logits.clone().requires_grad_(True)
+        meter = Meter((leaf, tokens), device)
+        with trace.recording() as events, meter.forward():
+            log_prob, entropy = target.kernel(leaf.squeeze(0), tokens, tp_group(), with_entropy=case.with_entropy,
+                                              chunk_size=chunk, log_prob_keep_mask=None,
+                                              with_entropy_grad=case.expects_entropy_grad)
+        out.traces[chunk] = list(events)
+        meter.outputs(log_prob, entropy)
+        loss = _response_loss(case, log_prob, full.w_log_probs, device)
+        if isinstance(entropy, torch.Tensor) and entropy.requires_grad:
+            loss = loss + _response_loss(case, entropy, full.w_entropy, device)
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            with trace.recording(), meter.backward():
+                loss.backward()
+        out.memory[chunk] = meter.figures
+    return out
+
+
+def _response_loss(case: WrapperCase, values: torch.Tensor, weights: list[torch.Tensor], device: torch.device) -> Any:
+    # Empty responses too: their slices' backward allocates like any other, in the wrapper job as here.
+    flat, loss, offset = values.reshape(-1), 0.0, 0
+    for length, resp, w in zip(case.total_lengths, case.response_lengths, weights):
+        a = offset + length - resp - 1
+        offset += length
+        loss = loss + (flat[a:a + resp] * w.to(device=device, dtype=flat.dtype)).sum()
+    return loss
+
+
+def _to(ts: list | None, device: torch.device) -> list | None:
+    return None if ts is None else [None if t is None else t.to(device) for t in ts]
+
+
+def run_on_rank(case: Case, target: Target, rank: int, device: torch.device) -> RankResult:
+    """Run one case on this rank; never raises (an exception is an observation)."""
+    result = RankResult(rank)
+    group = tp_group()
+    with trace.recording() as events:
+        try:
+            if case.level == "kernel":
+                run_kernel(case, target, rank, group, device, result.obs)
+            else:
+                run_wrapper(case, target, rank, device, result.obs)
+        except Exception as e:  # the target's failure is data
+            failed = RankResult.from_exception(rank, e)
+            result.error, result.error_kind = failed.error, failed.error_kind
+            result.obs.traceback = failed.obs.traceback
+    result.trace = list(events)
+    return result
+
+
+def case_job(ctx: Any, case: Case, target_spec: str) -> RankResult:
+    """Worker-side entry (`pool.run(CASE_JOB, case, spec)`): the target resolves once per process."""
+    return run_on_rank(case, load_target(target_spec), ctx.rank, ctx.device)

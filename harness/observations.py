@@ -1,0 +1,81 @@
+"""What a rank observed while running one case: the only thing ranks send back to the checks.
+
+Ranks record, checks judge. Each field is written in one place (`engine.executor`) and read by the
+checks, the reports and the performance gate; a misspelt field is an AttributeError, not a silent
+None. Kernel and wrapper cases fill the same fields: a kernel case holds tensors, a wrapper case
+one entry per sample.
+"""
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+import torch
+
+from harness.meters.trace import Event
+
+Stage = Literal["none", "forward", "backward"]
+Values = Union[torch.Tensor, list[torch.Tensor], None]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """What the checks need of an output tensor besides its values."""
+    shape: tuple[int, ...]
+    dtype: str  # "float32", "bfloat16", ...
+    requires_grad: bool
+
+    @classmethod
+    def of(cls, t: Any) -> Optional["TensorMeta"]:
+        if not isinstance(t, torch.Tensor):
+            return None
+        return cls(tuple(t.shape), str(t.dtype).removeprefix("torch."), t.requires_grad)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(slots=True)
+class KernelPass:
+    """A wrapper case's rows run through the target's own kernel, chunked and unchunked (keys: the
+    chunk size, and -1): the collectives of each forward and the memory figures of each call.
+    What `chunk-size-honoured` and `memory-chunk-passthrough` compare the wrapper with."""
+    traces: dict[int, list[Event]] = field(default_factory=dict)
+    memory: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Observation:
+    stage: Stage = "none"  # the last phase every step of which completed on this rank
+    log_prob: Values = None  # kernel: [T] (or [T, 1]); wrapper: per-sample response log-probs
+    entropy: Values = None
+    log_prob_meta: Union[TensorMeta, list[Optional[TensorMeta]], None] = None
+    entropy_meta: Union[TensorMeta, list[Optional[TensorMeta]], None] = None
+    grad: Optional[torch.Tensor] = None  # this rank's gradient w.r.t. its logits shard
+    grad_meta: Optional[TensorMeta] = None
+    integrity: list[str] = field(default_factory=list)  # problems with the caller's inputs after the call
+    memory: dict[str, Any] = field(default_factory=dict)  # `meters.memory.Meter.figures`
+    n_forward_collectives: Optional[int] = None  # wrapper: how many of the trace's collectives the forward issued
+    kernel_pass: Optional[KernelPass] = None
+    traceback: str = ""
+
+
+@dataclass(slots=True)
+class RankResult:
+    rank: int
+    error: Optional[str] = None
+    error_kind: Optional[str] = None  # "exception", "timeout", "died", "mismatch"
+    trace: list[Event] = field(default_factory=list)
+    obs: Observation = field(default_factory=Observation)
+
+    @classmethod
+    def from_exception(cls, rank: int, e: BaseException) -> "RankResult":
+        """An exception raised on a rank, as the result that rank reports (never re-raised)."""
+        result = cls(rank, error=f"{type(e).__name__}: {e}".strip()[:2000], error_kind="exception")
+        result.obs.traceback = traceback.format_exc(limit=8)[-4000:]
+        return result

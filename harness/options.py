@@ -1,0 +1,135 @@
+"""The options shared by the CLI and the pytest plugin, defined once, with one set of validators.
+
+`add_argparse(parser, names)` and `add_pytest(group, names)` add the same flags, help and parsing
+to either front end (pytest's `addoption` is argparse underneath, so `type=` validators serve
+both). What a run needs besides the flags, such as the session's worker pools, travels in a
+`RunConfig`, never in the argparse Namespace.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from cases.profiles import DEFAULT_PROFILE, PROFILES
+from harness.errors import UsageError
+from harness.targets import DEFAULT_TARGET
+
+
+def tp_list(text: str) -> list[int]:
+    try:
+        sizes = [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise UsageError(f"--tp takes comma-separated positive integers, got {text!r}") from None
+    if not sizes or any(s < 1 for s in sizes):
+        raise UsageError(f"--tp sizes must be positive integers, got {text!r}")
+    return sorted(set(sizes))
+
+
+def seed_value(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise UsageError(f"--seed takes a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise UsageError(f"--seed must be non-negative, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"expected a positive number, got {text!r}") from None
+    if value <= 0:
+        raise UsageError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise UsageError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise UsageError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """A validator as argparse wants it: its UsageError becomes argparse's own error (exit 2)."""
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except UsageError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    convert.__name__ = parse.__name__  # argparse names the type in "invalid <name> value"
+    return convert
+
+
+@dataclass(frozen=True)
+class Option:
+    flag: str
+    help: str
+    default: Any = None
+    parse: Callable[[str], Any] | None = None
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    extra_flags: tuple[str, ...] = ()
+
+    def kwargs(self, default: Any) -> dict[str, Any]:
+        kw: dict[str, Any] = {"default": default, "help": self.help}
+        if self.parse is not None:
+            kw["type"] = _argparse_type(self.parse)
+        if self.choices is not None:
+            kw["choices"] = self.choices
+        if self.metavar is not None:
+            kw["metavar"] = self.metavar
+        return kw
+
+
+OPTIONS: dict[str, Option] = {o.flag.lstrip("-").replace("-", "_"): o for o in (
+    Option("--target", "module (or mutant:NAME) under test", DEFAULT_TARGET),
+    Option("--tp", "TP sizes, e.g. 1,2,4", [1, 2, 4], tp_list),
+    Option("--device", "cpu: gloo pools, fork; cuda: NCCL pools, spawn", "cpu", choices=("cpu", "cuda")),
+    Option("--collective-timeout", "gloo/NCCL timeout of every collective, seconds; a case's deadline is "
+           "twice this plus 10 s", 20.0, positive_float, metavar="S"),
+    Option("--profile", "how many randomized cases (smoke: seconds, ci: about a minute)", DEFAULT_PROFILE,
+           choices=tuple(sorted(PROFILES))),
+    Option("--seed", "seed of the randomized cases", 0, seed_value),
+)}
+
+
+def add_argparse(parser: argparse.ArgumentParser | Any, names: tuple[str, ...], **defaults: Any) -> None:
+    """Add the named shared options to an argparse parser (or argument group); `defaults`
+    overrides a default for this command."""
+    for name in names:
+        opt = OPTIONS[name]
+        parser.add_argument(opt.flag, *opt.extra_flags, **opt.kwargs(defaults.get(name, opt.default)))
+
+
+def add_pytest(group: Any, names: tuple[str, ...], **defaults: Any) -> None:
+    """The same, for a pytest option group (`parser.getgroup(...)`)."""
+    for name in names:
+        opt = OPTIONS[name]
+        group.addoption(opt.flag, *opt.extra_flags, **opt.kwargs(defaults.get(name, opt.default)))
+
+
+@dataclass
+class RunConfig:
+    """What a run needs: the target, where it runs, and the pools to reuse (the test suite's
+    session pools; None: the run starts and closes its own)."""
+    target: str = DEFAULT_TARGET
+    tp: list[int] = field(default_factory=lambda: [1, 2, 4])
+    device: str = "cpu"
+    collective_timeout_s: float = 20.0
+    pools: dict | None = None
+
+    @classmethod
+    def from_options(cls, get: Callable[[str], Any], pools: dict | None = None) -> "RunConfig":
+        """From parsed options: `get(name)` is `vars(ns).get` or pytest's `config.getoption`; an
+        option the command does not have (None) takes its default."""
+        def value(name: str) -> Any:
+            got = get(name)
+            return OPTIONS[name].default if got is None else got
+        return cls(value("target"), list(value("tp")), value("device"), value("collective_timeout"), pools)
