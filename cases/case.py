@@ -52,8 +52,8 @@ class KernelInputs:
 class WrapperInputs:
     logits: torch.Tensor  # [T, V] float32 (the wrapper adds the batch dim)
     unconcat_tokens: list[torch.Tensor]
-    top_p_token_ids: list[torch.Tensor | None] | None
-    top_p_token_offsets: list[torch.Tensor] | None
+    top_p_token_ids: list[torch.Tensor | list[int]] | None  # per sample, slime's encoding (docs/contract.md)
+    top_p_token_offsets: list[torch.Tensor | list[int]] | None
     w_log_probs: list[torch.Tensor]
     w_entropy: list[torch.Tensor]
 
@@ -63,7 +63,7 @@ class _CaseBase:
 
     def spec(self) -> str:
         """Stable one-line form; `parse_case(spec)` rebuilds the case."""
-        parts = [f"{f.name}={_fmt(getattr(self, f.name))}" for f in dataclasses.fields(self)]
+        parts = [f"{f.name}={fmt_field(getattr(self, f.name))}" for f in dataclasses.fields(self)]
         return f"{self.level}:" + ",".join(parts)
 
     def replace(self, **changes: Any):
@@ -186,20 +186,30 @@ class WrapperCase(_CaseBase):
         V = self.vocab
         logits = _logits(g, self.T, V, self.regime, torch.float32)
         tokens = [torch.randint(0, V, (L,), generator=g) for L in self.total_lengths]
-        ids: list[torch.Tensor | None] | None = None
-        offsets: list[torch.Tensor] | None = None
+        ids: list[Any] | None = None
+        offsets: list[Any] | None = None
         if self.top_p != "none":
             ids, offsets = [], []
-            for i, R in enumerate(self.response_lengths):
+            for R in self.response_lengths:
                 sizes = torch.randint(1, V + 1, (R,), generator=g)
                 if self.top_p == "partial":
-                    # Rows with no recorded nucleus must stay unmasked.
+                    # An empty recorded nucleus: the row keeps only its target (log-prob 0).
                     sizes = sizes * (torch.rand(R, generator=g) < 0.5)
                 kept = [torch.randperm(V, generator=g)[: int(k)].sort().values for k in sizes]
-                offsets.append(torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)]))
-                ids.append(torch.cat(kept) if kept else torch.zeros(0, dtype=torch.int64))
-            if self.top_p == "partial" and ids:
-                ids[0] = None
+                offs = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)])
+                flat = torch.cat(kept) if kept else torch.zeros(0, dtype=torch.int64)
+                if self.top_p == "partial":
+                    # No recorded nucleus past the offsets' end: a short list, possibly [0] or [].
+                    recorded = int(torch.randint(-1, R + 1, (1,), generator=g))
+                    offs = offs[: recorded + 1]
+                    flat = flat[: int(offs[-1])] if offs.numel() else flat[:0]
+                # Both encodings slime takes: int32 tensors (as a rollout batch carries them) or lists.
+                if bool(torch.rand(1, generator=g) < 0.5):
+                    ids.append(flat.tolist())
+                    offsets.append(offs.tolist())
+                else:
+                    ids.append(flat.to(torch.int32))
+                    offsets.append(offs.to(torch.int32))
         w1 = [torch.randn(R, generator=g) for R in self.response_lengths]
         w2 = [torch.randn(R, generator=g) for R in self.response_lengths]
         return WrapperInputs(logits, tokens, ids, offsets, w1, w2)
@@ -209,7 +219,8 @@ CASE_TYPES: dict[str, type] = {"kernel": KernelCase, "wrapper": WrapperCase}
 Case = KernelCase | WrapperCase
 
 
-def _fmt(value: Any) -> str:
+def fmt_field(value: Any) -> str:
+    """A field's value as case specs write it (None is `absent`, a bool 0/1, a tuple `a/b`)."""
     if value is None:
         return "absent"
     if isinstance(value, bool):

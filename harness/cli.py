@@ -42,7 +42,7 @@ def summary_table(runner: Runner, findings: list[Finding]) -> str:
         cells, margin = [], 0.0
         for lvl in levels:
             st = runner.stats.get((name, lvl))
-            cells.append("-" if st is None else f"{st.applied}/{st.failed}")
+            cells.append("-" if st is None else f"{st.applied}/{st.failed}" + (f" (+{st.known} known)" if st.known else ""))
             if st and st.margins:
                 margin = max(margin, max(st.margins))
         if all(c == "-" for c in cells):
@@ -57,7 +57,7 @@ def summary_table(runner: Runner, findings: list[Finding]) -> str:
 def result_json(runner: Runner, findings: list[Finding], elapsed: float, extra: dict[str, Any]) -> dict[str, Any]:
     checks: dict[str, Any] = {}
     for (name, lvl), st in runner.stats.items():
-        checks.setdefault(name, {})[lvl] = {"applied": st.applied, "failed": st.failed,
+        checks.setdefault(name, {})[lvl] = {"applied": st.applied, "failed": st.failed, "known": st.known,
                                              "max_margin": max(st.margins, default=None), "margins": st.margins,
                                              "margins_by_group": st.margins_by_group}
     return {
@@ -67,6 +67,25 @@ def result_json(runner: Runner, findings: list[Finding], elapsed: float, extra: 
         "cases_per_s": round(runner.cases_run / runner.run_seconds, 2) if runner.run_seconds else None,
         "findings": [f.to_json() for f in findings], "checks": checks, **extra,
     }
+
+
+def known_json(runner: Runner) -> dict[str, Any]:
+    """The known findings apart from the new ones, and each entry of the --known file with its count."""
+    if not runner.known.path:
+        return {"known_findings": [], "known": None}
+    return {"known_findings": [f.to_json() for f in runner.known_findings],
+            "known": {"file": runner.known.path, "entries": [e.to_json() for e in runner.known.entries],
+                      "stale": [e.describe() for e in runner.known.stale]}}
+
+
+def known_summary(runner: Runner) -> str:
+    lines = []
+    for e in runner.known.entries:
+        if e.matched:
+            lines.append(f"KNOWN {e.describe()}: {e.matched} finding(s)" + (f" ({e.link})" if e.link else ""))
+    for e in runner.known.stale:
+        lines.append(f"STALE known entry, matched nothing in this run: {e.describe()}")
+    return "\n".join(lines)
 
 
 # Features that extend `check`, in order: each module has `add_arguments(parser)` and
@@ -97,7 +116,8 @@ def cmd_check(ns: argparse.Namespace, cfg: RunConfig) -> int:
         result = result_json(runner, findings, time.perf_counter() - start,
                              {"profile": profile.name, "seed": ns.seed, "tp": cfg.tp})
         for feature in CHECK_FEATURES:
-            extra = feature.finish(ns, runner, result)
+            result.update(known_json(runner))
+            extra = runner.new_findings(feature.finish(ns, runner, result))
             findings += extra
             result["findings"] += [f.to_json() for f in extra]
     finally:
@@ -110,9 +130,12 @@ def cmd_check(ns: argparse.Namespace, cfg: RunConfig) -> int:
           f"{len(findings)} finding(s)")
     for f in findings:
         print(f"\nFINDING [{f.check}] ({f.level}) {f.case}\n  {f.message[:1500]}\n  repro: {f.repro}")
+    if runner.known.path:
+        print("\n" + (known_summary(runner) or f"no known findings ({runner.known.path})"))
     if ns.json:
         Path(ns.json).write_text(json.dumps(result, indent=1))
-    return 1 if findings else 0
+    known_fail = ns.strict_known and (any(e.matched for e in runner.known.entries) or bool(runner.known.stale))
+    return 1 if findings or known_fail else 0
 
 
 def cmd_repro(ns: argparse.Namespace, cfg: RunConfig) -> int:
@@ -136,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m harness", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="run the randomized conformance checks against a target")
-    options.add_argparse(check, ("target", "device", "collective_timeout", "tp", "profile", "seed"))
+    options.add_argparse(check, ("target", "device", "collective_timeout", "tp", "profile", "seed", "known", "strict_known"))
     check.add_argument("--json", metavar="FILE", help="write the results as JSON")
     check.add_argument("--no-shrink", action="store_true", help="report failures without shrinking them")
     check.add_argument("-q", "--quiet", action="store_true", help="no progress lines")

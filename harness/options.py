@@ -75,10 +75,17 @@ class Option:
     parse: Callable[[str], Any] | None = None
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
-    extra_flags: tuple[str, ...] = ()
+    cli_aliases: tuple[str, ...] = ()  # more flags on the CLI only (pytest owns some names, e.g. --strict)
+    action: str | None = None  # "store_true" for a flag
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
 
     def kwargs(self, default: Any) -> dict[str, Any]:
-        kw: dict[str, Any] = {"default": default, "help": self.help}
+        kw: dict[str, Any] = {"default": default, "help": self.help, "dest": self.dest}
+        if self.action is not None:
+            kw["action"] = self.action
         if self.parse is not None:
             kw["type"] = _argparse_type(self.parse)
         if self.choices is not None:
@@ -88,7 +95,7 @@ class Option:
         return kw
 
 
-OPTIONS: dict[str, Option] = {o.flag.lstrip("-").replace("-", "_"): o for o in (
+OPTIONS: dict[str, Option] = {o.dest: o for o in (
     Option("--target", "module (or mutant:NAME) under test", DEFAULT_TARGET),
     Option("--tp", "TP sizes, e.g. 1,2,4", [1, 2, 4], tp_list),
     Option("--device", "cpu: gloo pools, fork; cuda: NCCL pools, spawn", "cpu", choices=("cpu", "cuda")),
@@ -97,6 +104,10 @@ OPTIONS: dict[str, Option] = {o.flag.lstrip("-").replace("-", "_"): o for o in (
     Option("--profile", "how many randomized cases (smoke: seconds, ci: about a minute)", DEFAULT_PROFILE,
            choices=tuple(sorted(PROFILES))),
     Option("--seed", "seed of the randomized cases", 0, seed_value),
+    Option("--known", "TOML file of known findings (docs/known-findings.md): reported apart, they do not "
+           "fail the run; entries that match nothing are reported as stale", None, metavar="FILE"),
+    Option("--strict-known", "with --known: known findings and stale entries fail the run too "
+           "(`--strict` on the CLI)", False, cli_aliases=("--strict",), action="store_true"),
 )}
 
 
@@ -105,14 +116,14 @@ def add_argparse(parser: argparse.ArgumentParser | Any, names: tuple[str, ...], 
     overrides a default for this command."""
     for name in names:
         opt = OPTIONS[name]
-        parser.add_argument(opt.flag, *opt.extra_flags, **opt.kwargs(defaults.get(name, opt.default)))
+        parser.add_argument(*opt.cli_aliases, opt.flag, **opt.kwargs(defaults.get(name, opt.default)))
 
 
 def add_pytest(group: Any, names: tuple[str, ...], **defaults: Any) -> None:
     """The same, for a pytest option group (`parser.getgroup(...)`)."""
     for name in names:
         opt = OPTIONS[name]
-        group.addoption(opt.flag, *opt.extra_flags, **opt.kwargs(defaults.get(name, opt.default)))
+        group.addoption(opt.flag, **opt.kwargs(defaults.get(name, opt.default)))
 
 
 @dataclass
@@ -124,6 +135,7 @@ class RunConfig:
     device: str = "cpu"
     collective_timeout_s: float = 20.0
     pools: dict | None = None
+    known: str | None = None  # the --known file
 
     @classmethod
     def from_options(cls, get: Callable[[str], Any], pools: dict | None = None) -> "RunConfig":
@@ -132,4 +144,5 @@ class RunConfig:
         def value(name: str) -> Any:
             got = get(name)
             return OPTIONS[name].default if got is None else got
-        return cls(value("target"), list(value("tp")), value("device"), value("collective_timeout"), pools)
+        return cls(value("target"), list(value("tp")), value("device"), value("collective_timeout"), pools,
+                   value("known"))

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from cases.benchmarks import PERF_CASES
+from cases.capabilities import needs
 from cases.case import KernelCase, parse_case
 from harness.engine import callgrind
 from harness.engine.perf_jobs import PAIRED_JOB, TIME_JOB
@@ -42,7 +43,6 @@ from harness.targets import Target, load_target
 
 FORMAT = "harness-baseline/1"
 DEFAULT_THRESHOLD = 0.10
-CHECKS = ("perf-time", "perf-instructions", "perf-collectives", "perf-memory")
 MEMORY_ROWS = ("retained_bytes", "peak_bytes")  # the table's memory rows; findings cover every figure
 
 
@@ -80,7 +80,7 @@ def finish(ns: argparse.Namespace, runner: Runner, result: dict[str, Any]) -> li
         print(comparison.markdown() + "\n")
         findings = comparison.findings
     if ns.save_baseline:
-        cases = [c for c in PERF_CASES if c.tp in ns.tp]
+        cases = benchmark_cases(runner, ns.tp)
         save(record(runner, cases, say), ns.save_baseline)
         say(f"saved {len(cases)} cases to {ns.save_baseline}")
         result["baseline_saved"] = ns.save_baseline
@@ -88,6 +88,11 @@ def finish(ns: argparse.Namespace, runner: Runner, result: dict[str, Any]) -> li
 
 
 # ---------------------------------------------------------------------------- recording
+def benchmark_cases(runner: Runner, tps: list[int]) -> list[KernelCase]:
+    """The benchmark cases at these TP sizes, fitted to what the target can take."""
+    return list(dict.fromkeys(runner.fit(c) for c in PERF_CASES if c.tp in tps))
+
+
 def code_fingerprint(target: Target) -> str:
     """sha256 of the source files behind the target's kernel: its module and, for a bound routine,
     every class it inherits from. Equal fingerprints: the same code, whatever it is called."""
@@ -318,6 +323,10 @@ def compare(runner: Runner, base: dict[str, Any], threshold: float = DEFAULT_THR
                          f"counted under {counted.get('environment')}.")
     for case, old in entries:
         say(f"comparing {label(case)}")
+        if runner.fit(case) != case:
+            cmp.notes.append(f"{label(case)}: not compared, the target does not take "
+                             f"{', '.join(sorted(needs(case) - needs(runner.fit(case))))} (HARNESS_CAPABILITIES).")
+            continue
         if "error" in old:
             cmp.notes.append(f"{label(case)}: the baseline's target failed on it ({old['error'][:200]}).")
             continue

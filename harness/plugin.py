@@ -23,7 +23,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     # The CLI's options, flags and validators; the profile defaults to the environment's (ci under
     # $CI, else dev) and the seed to Hypothesis's derandomized one.
     options.add_pytest(parser.getgroup("logprob-harness"),
-                       ("target", "tp", "device", "collective_timeout", "profile", "seed"), profile=None, seed=None)
+                       ("target", "tp", "device", "collective_timeout", "profile", "seed", "known", "strict_known"),
+                       profile=None, seed=None)
 
 
 def run_config(config: pytest.Config, pools: dict | None = None) -> RunConfig:
@@ -52,7 +53,20 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    session.config.harness_exitstatus = int(exitstatus)
+    runner = getattr(session.config, "harness_known_runner", None)
+    if runner is not None and session.config.getoption("strict_known") and runner.known.stale and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED  # --strict: a stale known entry fails the run
+    session.config.harness_exitstatus = int(session.exitstatus)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    runner = getattr(config, "harness_known_runner", None)
+    if runner is None:
+        return
+    terminalreporter.section("harness known findings")
+    for e in runner.known.entries:
+        state = f"{e.matched} finding(s)" if e.matched else "STALE: matched nothing in this run"
+        terminalreporter.write_line(f"{e.describe()}: {state}" + (f" ({e.link})" if e.link else ""))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -118,6 +132,8 @@ def harness_runner(request: pytest.FixtureRequest, harness_pools):
 
     try:
         runner = Runner.for_run(run_config(request.config, harness_pools))
+        if runner.known.path:
+            request.config.harness_known_runner = runner
     except HarnessError as e:
         pytest.exit(f"harness: error: {e}", returncode=2)
     yield runner

@@ -3,6 +3,7 @@
 from .kernel import effective_keep_mask, entropy, log_probs, logits_grad
 from .wrapper import (
     apply_temperature,
+    recorded_rows,
     entropy_grad_rule,
     response_rows,
     shifted_targets,
@@ -20,6 +21,7 @@ __all__ = [
     "apply_temperature",
     "shifted_targets",
     "response_rows",
+    "recorded_rows",
     "top_p_keep_mask",
     "wrapper_outputs",
     "wrapper_logits_grad",

@@ -18,6 +18,7 @@ __all__ = [
     "apply_temperature",
     "shifted_targets",
     "response_rows",
+    "recorded_rows",
     "top_p_keep_mask",
     "wrapper_outputs",
     "wrapper_logits_grad",
@@ -80,35 +81,48 @@ def response_rows(total_lengths: list[int], response_lengths: list[int]) -> list
     return rows
 
 
+def _as_list(x: Any) -> list[int]:
+    return [int(v) for v in (x.reshape(-1).tolist() if isinstance(x, Tensor) else x)]
+
+
+def recorded_rows(offsets: list[int], response_length: int) -> int:
+    """How many leading response rows have a recorded nucleus: row r has one iff r + 1 < len(offsets)."""
+    return max(0, min(int(response_length), len(offsets) - 1))
+
+
 def top_p_keep_mask(
     T: int,
     V: int,
     total_lengths: list[int],
     response_lengths: list[int],
-    top_p_token_ids: list[Tensor | None] | None,
-    top_p_token_offsets: list[Tensor | None] | None,
+    top_p_token_ids: list[Any] | None,
+    top_p_token_offsets: list[Any] | None,
 ) -> Tensor | None:
-    """`[T, V]` bool log-prob keep mask replayed from the rollout nucleus; None when not recorded."""
-    if top_p_token_ids is None:
+    """`[T, V]` bool log-prob keep mask replayed from the rollout nucleus (slime's encoding); None
+    when no replay data is given.
+
+    Per sample, `ids` and `offsets` (tensors or lists of ints, never None). Response row r with
+    `r + 1 < len(offsets)` keeps exactly `ids[offsets[r]:offsets[r+1]]`: an empty range keeps
+    nothing, so only the target survives (the kernel restores it) and the log-prob is 0. Rows the
+    offsets do not reach have no recorded nucleus and stay unmasked.
+    """
+    if top_p_token_ids is None or top_p_token_offsets is None:
         return None
-    if top_p_token_offsets is None:
-        raise ValueError("top_p_token_ids given without top_p_token_offsets")
+    if len(top_p_token_ids) != len(total_lengths) or len(top_p_token_offsets) != len(total_lengths):
+        raise ValueError("top-p replay needs one ids and one offsets entry per sample")
     mask = torch.ones(T, V, dtype=torch.bool)
-    all_rows = response_rows(total_lengths, response_lengths)
-    for i, rows in enumerate(all_rows):
-        ids = top_p_token_ids[i]
-        if ids is None:
-            continue
-        offsets = top_p_token_offsets[i]
-        if offsets is None or offsets.numel() != rows.numel() + 1:
-            raise ValueError(f"sample {i}: top_p_token_offsets needs R_i + 1 = {rows.numel() + 1} entries")
-        ids = ids.reshape(-1).to(torch.int64)
-        for r, row in enumerate(rows.tolist()):
-            start, stop = int(offsets[r]), int(offsets[r + 1])
-            # An empty range means no nucleus was recorded for this token: leave the row unmasked.
-            if stop > start:
-                mask[row] = False
-                mask[row, ids[start:stop]] = True
+    for rows, ids, offsets in zip(response_rows(total_lengths, response_lengths), top_p_token_ids,
+                                  top_p_token_offsets):
+        if ids is None or offsets is None:
+            raise ValueError("a sample's top-p ids or offsets are None: not part of the interface "
+                             "(a sample without a recorded nucleus has a short offsets list)")
+        ids, offsets = _as_list(ids), _as_list(offsets)
+        for r in range(recorded_rows(offsets, rows.numel())):
+            row = int(rows[r])
+            mask[row] = False
+            kept = ids[offsets[r]:offsets[r + 1]]
+            if kept:
+                mask[row, torch.tensor(kept, dtype=torch.int64)] = True
     return mask
 
 
@@ -122,8 +136,8 @@ def _prepare(
     unconcat_tokens: list[Tensor],
     total_lengths: list[int],
     response_lengths: list[int],
-    top_p_token_ids: list[Tensor | None] | None,
-    top_p_token_offsets: list[Tensor | None] | None,
+    top_p_token_ids: list[Any] | None,
+    top_p_token_offsets: list[Any] | None,
 ) -> tuple[Tensor, list[Tensor], Tensor | None]:
     # Shifted targets, response rows and the top-p keep mask, all on the logits' device.
     _check_logits(logits, total_lengths)
@@ -143,8 +157,8 @@ def wrapper_outputs(
     total_lengths: list[int],
     response_lengths: list[int],
     with_entropy: bool,
-    top_p_token_ids: list[Tensor | None] | None = None,
-    top_p_token_offsets: list[Tensor | None] | None = None,
+    top_p_token_ids: list[Any] | None = None,
+    top_p_token_offsets: list[Any] | None = None,
 ) -> dict:
     """Per-sample response log-probs and entropies (float64) and whether the entropy has a grad."""
     tokens, rows, mask = _prepare(
@@ -177,8 +191,8 @@ def wrapper_logits_grad(
     with_entropy: bool,
     w_log_probs: list[Tensor],
     w_entropy: list[Tensor] | None,
-    top_p_token_ids: list[Tensor | None] | None = None,
-    top_p_token_offsets: list[Tensor | None] | None = None,
+    top_p_token_ids: list[Any] | None = None,
+    top_p_token_offsets: list[Any] | None = None,
 ) -> Tensor:
     """`[T, V]` float64 gradient w.r.t. the raw logits of the weighted response log-probs/entropies.
 

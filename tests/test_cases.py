@@ -59,11 +59,24 @@ def test_mask_kinds():
     assert not drop.keep_mask[torch.arange(5), drop.tokens].any()
 
 
-def test_partial_top_p_has_rows_and_samples_without_a_nucleus():
-    w = WrapperCase(tp=1, v_local=6, total_lengths=(8, 8), response_lengths=(5, 6), top_p="partial", seed=4).inputs()
-    assert w.top_p_token_ids[0] is None
-    sizes = w.top_p_token_offsets[1].diff()
-    assert (sizes == 0).any() and (sizes > 0).any()
+def test_partial_top_p_draws_every_encoding_slime_receives():
+    """Empty recorded nuclei, short offsets (rows without a nucleus), lists and int32 tensors, and
+    never a None: over a few seeds, every one of them appears."""
+    seen = set()
+    for seed in range(40):
+        w = WrapperCase(tp=1, v_local=6, total_lengths=(8, 8), response_lengths=(5, 6), top_p="partial",
+                        seed=seed).inputs()
+        for ids, offs, R in zip(w.top_p_token_ids, w.top_p_token_offsets, (5, 6)):
+            assert ids is not None and offs is not None
+            seen.add(type(ids).__name__)
+            offs = [int(o) for o in offs]
+            seen.add("short" if len(offs) < R + 1 else "full")
+            if any(b == a for a, b in zip(offs, offs[1:])):
+                seen.add("empty")
+            if len(offs) <= 1:
+                seen.add("none recorded")
+            assert len(ids) == (offs[-1] if offs else 0)
+    assert seen >= {"list", "Tensor", "short", "full", "empty", "none recorded"}
 
 
 @settings(max_examples=300, derandomize=True)

@@ -101,6 +101,36 @@ def test_saved_views_count_their_storage_once_and_backward_frees_them():
     assert meter.figures["leftover"] == 0
 
 
+class _GradFromSaved(torch.autograd.Function):
+    """Saves its softmax and turns that very buffer into the returned gradient, in place: the
+    allocation a slime-style backward saves. The buffer is then the caller's `.grad`, not a leak."""
+
+    @staticmethod
+    def forward(ctx, x):
+        p = torch.softmax(x, dim=-1)
+        ctx.save_for_backward(p)
+        return torch.logsumexp(x, dim=-1)
+
+    @staticmethod
+    def backward(ctx, g):
+        (p,) = ctx.saved_tensors
+        return p.mul_(g.unsqueeze(-1))  # d lse / dx = softmax, scaled in place
+
+
+def test_a_saved_buffer_returned_as_the_gradient_is_not_leftover():
+    x = torch.randn(T, V, requires_grad=True)
+    meter = _meter(x)
+    with meter.forward():
+        y = _GradFromSaved.apply(x)
+    meter.outputs(y)
+    with meter.backward():
+        y.sum().backward()
+    assert meter.figures["leftover"] == TV4  # alive after backward: as the gradient, it turns out
+    meter.gradients(x.grad)
+    assert meter.figures["leftover"] == 0 and meter.figures["leftover_tensors"] == []
+    assert torch.allclose(x.grad, torch.softmax(x.detach(), -1))
+
+
 def test_peak_is_exact_and_inputs_never_count():
     x = torch.zeros(10_000, dtype=torch.uint8)
     meter = _meter(x)

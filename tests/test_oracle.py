@@ -290,22 +290,34 @@ def test_shift_and_response_rows_hand_example():
 
 
 def test_top_p_keep_mask_hand_example():
+    """slime's encoding: an empty range keeps nothing (the kernel restores the target); rows the
+    offsets do not reach stay unmasked; tensors and lists are the same payload."""
     V = 6
-    ids = [torch.tensor([1, 4, 2]), torch.tensor([3, 5]), None, torch.tensor([0])]
-    # A: row 1 keeps {1, 4}, row 2 has an empty range. B: row 5 keeps {3, 5}.
-    # C: no response. D: row 9 keeps {0}, row 10 empty.
-    offsets = [torch.tensor([0, 2, 2]), torch.tensor([0, 2]), None, torch.tensor([0, 1, 1])]
+    ids = [torch.tensor([1, 4, 2]), [3, 5], [], torch.tensor([0], dtype=torch.int32)]
+    # A: row 1 keeps {1, 4}, row 2 keeps nothing (empty range). B: row 5 keeps {3, 5}.
+    # C: no response. D: row 9 keeps {0}; row 10 has no recorded nucleus (offsets end).
+    offsets = [torch.tensor([0, 2, 2]), [0, 2], [0], [0, 1]]
     mask = ref.top_p_keep_mask(12, V, PACK_TOTAL, PACK_RESP, ids, offsets)
     expected = torch.ones(12, V, dtype=torch.bool)
     expected[1] = torch.tensor([False, True, False, False, True, False])
+    expected[2] = False
     expected[5] = torch.tensor([False, False, False, True, False, True])
     expected[9] = torch.tensor([True, False, False, False, False, False])
     assert torch.equal(mask, expected)
-    # A sample whose ids are None stays unmasked whatever its offsets.
-    ids_b_none = [ids[0], None, None, ids[3]]
-    expected[5] = True
-    assert torch.equal(ref.top_p_keep_mask(12, V, PACK_TOTAL, PACK_RESP, ids_b_none, offsets), expected)
+    # No offsets at all for a sample: none of its rows is masked.
+    expected[9] = True
+    assert torch.equal(ref.top_p_keep_mask(12, V, PACK_TOTAL, PACK_RESP, ids, [*offsets[:3], []]), expected)
     assert ref.top_p_keep_mask(12, V, PACK_TOTAL, PACK_RESP, None, None) is None
+    with pytest.raises(ValueError, match="not part of the interface"):
+        ref.top_p_keep_mask(12, V, PACK_TOTAL, PACK_RESP, [*ids[:3], None], offsets)
+
+
+def test_empty_nucleus_log_prob_is_exactly_zero():
+    z = torch.randn(12, 6, dtype=torch.float64)
+    tokens = [torch.randint(0, 6, (n,)) for n in PACK_TOTAL]
+    out = ref.wrapper_outputs(z, SimpleNamespace(), tokens, PACK_TOTAL, PACK_RESP, False,
+                              [[1], [], [], [2, 3]], [[0, 1, 1], [0, 0], [0], [0, 0, 2]])
+    assert out["log_probs"][0][1] == 0 and out["log_probs"][1][0] == 0 and out["log_probs"][3][0] == 0
 
 
 def _naive_wrapper(z, args, tokens_list, total, resp, with_entropy, w_lp, w_ent, ids, offsets):
@@ -321,12 +333,11 @@ def _naive_wrapper(z, args, tokens_list, total, resp, with_entropy, w_lp, w_ent,
             row = z[start + pos - 1] / tau  # predicted by the previous position
             target = int(toks[pos])
             masked = row
-            if ids is not None and ids[i] is not None:
+            if ids is not None and k + 1 < len(offsets[i]):  # a recorded nucleus, maybe empty
                 a, b = int(offsets[i][k]), int(offsets[i][k + 1])
-                if b > a:
-                    kept = set(ids[i][a:b].tolist()) | {target}
-                    drop = torch.tensor([v not in kept for v in range(row.numel())])
-                    masked = row.masked_fill(drop, NEG_INF)
+                kept = {int(v) for v in ids[i][a:b]} | {target}
+                drop = torch.tensor([v not in kept for v in range(row.numel())])
+                masked = row.masked_fill(drop, NEG_INF)
             lp = torch.log_softmax(masked, -1)[target]
             ls = torch.log_softmax(row, -1)
             ent = -(ls.exp() * ls).sum()
@@ -342,8 +353,8 @@ def _naive_wrapper(z, args, tokens_list, total, resp, with_entropy, w_lp, w_ent,
     return lps, ents, g
 
 
-PACK_IDS = [torch.tensor([1, 4, 2]), torch.tensor([3, 5]), None, torch.tensor([0, 2, 5])]
-PACK_OFFSETS = [torch.tensor([0, 2, 2]), torch.tensor([0, 2]), None, torch.tensor([0, 1, 3])]
+PACK_IDS = [torch.tensor([1, 4, 2]), [3, 5], [], torch.tensor([0, 2, 5], dtype=torch.int32)]
+PACK_OFFSETS = [torch.tensor([0, 2, 2]), [0, 2], [0], [0, 1]]  # an empty nucleus; a row without one
 
 
 @pytest.mark.parametrize("top_p", [False, True])

@@ -454,13 +454,12 @@ def expected_wrapper(logits, toks, total, resp, temp, top_ids=None, top_offs=Non
             row = o + L - R - 1 + r
             target = int(toks[i][L - R + r])
             xr = x[row].clone()
-            if top_ids is not None and top_ids[i] is not None:
+            if top_ids is not None and r + 1 < len(top_offs[i]):  # a recorded nucleus, maybe empty
                 a, b = int(top_offs[i][r]), int(top_offs[i][r + 1])
-                if b > a:
-                    keep = torch.zeros_like(xr, dtype=torch.bool)
-                    keep[torch.as_tensor(top_ids[i][a:b])] = True
-                    keep[target] = True
-                    xr = xr.masked_fill(~keep, float("-inf"))
+                keep = torch.zeros_like(xr, dtype=torch.bool)
+                keep[torch.as_tensor(top_ids[i][a:b], dtype=torch.long)] = True
+                keep[target] = True
+                xr = xr.masked_fill(~keep, float("-inf"))
             lp_i.append(torch.log_softmax(xr, -1)[target])
             p = torch.softmax(x[row], -1)
             ent_i.append(-(p * torch.log(p)).sum())
@@ -483,10 +482,11 @@ def test_wrapper_shift_and_extraction(target, temp, chunk, top_p):
                            rollout_temperature=temp, allgather_cp=False)
     top_ids = top_offs = None
     if top_p:
-        # sample 0: two nuclei (second one empty -> unmasked); sample 1: none recorded;
-        # sample 2: four nuclei, one without the target; sample 3: no response
-        top_ids = [[3, 7, 1], None, [0, 1, 2, 5, 9, 11, 4, 22], []]
-        top_offs = [[0, 3, 3], None, [0, 2, 5, 7, 8], [0]]
+        # sample 0: two nuclei (the second empty: only the target kept); sample 1: none recorded
+        # (offsets [0]); sample 2: four nuclei, one without the target, as int32 tensors;
+        # sample 3: no response
+        top_ids = [[3, 7, 1], [], torch.tensor([0, 1, 2, 5, 9, 11, 4, 22], dtype=torch.int32), []]
+        top_offs = [[0, 3, 3], [0], torch.tensor([0, 2, 5, 7, 8], dtype=torch.int32), [0]]
     _, res = mod.get_log_probs_and_entropy(
         logits, args=args, unconcat_tokens=toks, total_lengths=total, response_lengths=resp,
         with_entropy=True, top_p_token_ids=top_ids, top_p_token_offsets=top_offs)
@@ -578,3 +578,8 @@ def test_top_p_keep_mask_local_shard():
     expect[2] = False
     assert torch.equal(mask, expect)
     assert r.top_p_keep_mask(4, 5, 0, [4], [2], None, None, "cpu") is None
+    # An empty recorded range masks the whole row; a short offsets list leaves the tail unmasked.
+    empty = r.top_p_keep_mask(4, 5, 1, [4], [2], [[7]], [[0, 0, 1]], "cpu")
+    assert not empty[1].any() and empty[2].tolist() == [False, False, True, False, False]
+    short = r.top_p_keep_mask(4, 5, 1, [4], [2], [torch.tensor([7], dtype=torch.int32)], [[0, 1]], "cpu")
+    assert short[1].tolist() == [False, False, True, False, False] and short[2].all()

@@ -77,8 +77,16 @@ def test_check(harness_runner, request, check_name: str, level: str, family: dic
             raise AssertionError(f"[{f.check}] {f.message}\nrepro: {f.repro}")
 
     seed = request.config.getoption("--seed")
+    known_before = len(runner.known_findings), sum(e.matched for e in runner.known.entries)
     try:
         (hyp_seed(seed)(run) if seed is not None else run)()
     except Unsatisfiable:  # e.g. memory-budget for a target that declares no budget
         pytest.skip(f"{check_name} applies to no drawn {level} case of {family} for {runner.target.spec}")
+    if sum(e.matched for e in runner.known.entries) > known_before[1]:
+        # Only known findings: an expected failure with the entry's reason (--known), a failure under --strict-known.
+        f = runner.known_findings[known_before[0]] if len(runner.known_findings) > known_before[0] else None
+        reason = f"known: {f.known}; e.g. {f.repro}" if f else "known findings (--known)"
+        if request.config.getoption("strict_known"):
+            pytest.fail(f"[{check_name}] {reason} (--strict-known)", pytrace=False)
+        pytest.xfail(reason)
     assert applied, f"{check_name} never applied to the {level} family {family}"

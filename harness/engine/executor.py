@@ -64,6 +64,7 @@ def run_kernel(case: KernelCase, target: Target, rank: int, group: Any, device: 
     if isinstance(loss, torch.Tensor) and loss.requires_grad:
         with meter.backward():
             loss.backward()
+        meter.gradients(inp.logits.grad)
         obs.grad, obs.grad_meta = _detached(inp.logits.grad), TensorMeta.of(inp.logits.grad)
         obs.integrity += integrity.problems("backward")
     obs.memory = meter.figures
@@ -104,6 +105,7 @@ def run_wrapper(case: WrapperCase, target: Target, rank: int, device: torch.devi
     if isinstance(loss, torch.Tensor) and loss.requires_grad:
         with meter.backward():
             loss.backward()
+        meter.gradients(logits.grad)
         obs.grad = _detached(logits.grad[0]) if logits.grad is not None else None
         obs.integrity += integrity.problems("backward")
     obs.memory = meter.figures
@@ -135,6 +137,7 @@ def kernel_pass(case: WrapperCase, target: Target, logits: torch.Tensor, device:
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
             with trace.recording(), meter.backward():
                 loss.backward()
+            meter.gradients(leaf.grad)
         out.memory[chunk] = meter.figures
     return out
 
@@ -150,7 +153,7 @@ def _response_loss(case: WrapperCase, values: torch.Tensor, weights: list[torch.
 
 
 def _to(ts: list | None, device: torch.device) -> list | None:
-    return None if ts is None else [None if t is None else t.to(device) for t in ts]
+    return None if ts is None else [t.to(device) if isinstance(t, torch.Tensor) else t for t in ts]
 
 
 def run_on_rank(case: Case, target: Target, rank: int, device: torch.device) -> RankResult:

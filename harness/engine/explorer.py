@@ -47,8 +47,6 @@ def run_corpus(runner: Runner, tps: Iterable[int], progress: Callable[[str], Non
             continue
         if case.tp not in tps:
             case = case.replace(tp=tps[-1])
-        if case.level == "kernel" and not runner.target.supports("entropy"):
-            case = case.replace(with_entropy=False, loss_terms="both")
         _, fs = runner.check(case)
         findings += fs
         progress(f"corpus {entry.name}: {'ok' if not fs else ', '.join(sorted({f.check for f in fs}))}")

@@ -8,17 +8,20 @@ import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
+from cases.capabilities import fit
 from cases.case import Case
 from harness.checks import Check, Evidence, all_checks
 from harness.engine import torchrun
 from harness.engine.executor import CASE_JOB
 from harness.engine.pool import WorkerPool
 from harness.findings import Finding, repro_command
+from harness.known import KnownFindings, load as load_known
 from harness.observations import RankResult
 from harness.options import RunConfig
 from harness.targets import Target, load_target
 
 CACHE_SIZE = 4096
+KNOWN_KEPT = 200  # known findings kept for the report; every match is counted on its entry
 
 
 def _needs_rebuild(results: list[RankResult]) -> bool:
@@ -30,7 +33,8 @@ def _needs_rebuild(results: list[RankResult]) -> bool:
 @dataclass
 class CheckStats:
     applied: int = 0
-    failed: int = 0
+    failed: int = 0  # new findings
+    known: int = 0  # findings a --known entry matched
     margins_by_group: dict[str, list[float]] = field(default_factory=dict)  # max error / tolerance, per case.group()
 
     @property
@@ -54,10 +58,28 @@ class Runner:
         self.run_seconds = 0.0
         self.stats: dict[tuple[str, str], CheckStats] = defaultdict(CheckStats)
         self._cache: OrderedDict[Case, Evidence] = OrderedDict()
+        self.known = KnownFindings()
+        self.known_findings: list[Finding] = []
 
     @classmethod
     def for_run(cls, cfg: RunConfig, target: str | None = None) -> "Runner":
-        return cls(target or cfg.target, cfg.device, cfg.collective_timeout_s, pools=cfg.pools)
+        runner = cls(target or cfg.target, cfg.device, cfg.collective_timeout_s, pools=cfg.pools)
+        if cfg.known:
+            runner.known = load_known(cfg.known)
+        return runner
+
+    def new_findings(self, findings: list[Finding]) -> list[Finding]:
+        """The findings no known-findings entry matches; the others are kept apart as known."""
+        new = []
+        for f in findings:
+            entry = self.known.classify(f)
+            if entry is None:
+                new.append(f)
+                continue
+            f.known = entry.describe() + (f" ({entry.link})" if entry.link else "")
+            if len(self.known_findings) < KNOWN_KEPT:
+                self.known_findings.append(f)
+        return new
 
     def pool(self, tp: int) -> WorkerPool:
         if tp not in self.pools:
@@ -65,9 +87,14 @@ class Runner:
             self.pools[tp] = shared if shared is not None else WorkerPool(tp, self.device, self.collective_timeout_s)
         return self.pools[tp]
 
+    def fit(self, case: Case) -> Case:
+        """The case as this target can take it (its declared capabilities: `cases.capabilities`)."""
+        return fit(case, self.target.supports)
+
     def run(self, case: Case) -> Evidence:
         """Run a case on every rank of its pool. Results are cached per case: checks that share
         draws (pytest ids of one group, twins) share one distributed run."""
+        case = self.fit(case)
         if case in self._cache:
             self._cache.move_to_end(case)
             return self._cache[case]
@@ -89,6 +116,7 @@ class Runner:
 
     def check(self, case: Case, only: set[str] | None = None) -> tuple[Evidence, list[Finding]]:
         """Run one case (and the twins its checks ask for); evaluate every applicable check."""
+        case = self.fit(case)
         ev = self.run(case)
         ev = Evidence(case, self.target, ev.ranks)  # fresh twins and margins for this evaluation
         findings = []
@@ -116,10 +144,14 @@ class Runner:
             if used:
                 stats.margins_by_group.setdefault(case.group(), []).extend(used)
             if problems:
-                stats.failed += 1
-                findings.append(Finding(chk.name, case.level, case.spec(), "; ".join(problems)[:4000],
-                                        repro_command(self.target.spec, case),
-                                        ranks=sorted({r.rank for r in ev.failed_ranks})))
+                finding = Finding(chk.name, case.level, case.spec(), "; ".join(problems)[:4000],
+                                  repro_command(self.target.spec, case),
+                                  ranks=sorted({r.rank for r in ev.failed_ranks}))
+                if self.new_findings([finding]):
+                    stats.failed += 1
+                    findings.append(finding)
+                else:
+                    stats.known += 1
         return ev, findings
 
     def close(self) -> None:

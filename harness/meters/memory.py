@@ -19,7 +19,8 @@ Figures, in bytes:
 - peak_forward: the most bytes alive at once during the forward;
 - peak_backward: the most bytes alive at once during the backward, counting what the forward
   retained (freeing it early lowers the peak);
-- leftover: of the retained storages, those still alive after the backward, outputs excluded.
+- leftover: of the retained storages, those still alive after the backward, outputs and the
+  gradients the backward returned (`gradients()`) excluded.
 On CUDA the allocator's own figures (`cuda_*`, from `max_memory_allocated`) are added, relative to
 the allocation level when the forward began.
 """
@@ -135,6 +136,7 @@ class Meter(TorchDispatchMode):
         self._peak_live: list[Storage] = []
         self._retained: dict[int, Storage] = {}
         self._outputs: set[int] = set()
+        self._left: dict[int, Storage] = {}  # retained, still alive after backward, not an output
         self._aliases: dict[int, list[weakref.ref]] = {}  # storage -> aliases handed to collectives
         self._dead: deque[tuple[int, weakref.ref]] = deque()  # freed, not yet accounted
         self._cuda = device if device.type == "cuda" else None
@@ -282,10 +284,23 @@ class Meter(TorchDispatchMode):
         self._settle()
         self._cuda_stop("backward")
         # Identity, not key: a freed storage's key can come back with a new storage.
-        left = [e for k, e in self._retained.items() if self._live.get(k) is e and k not in self._outputs]
+        self._left = {k: e for k, e in self._retained.items() if self._live.get(k) is e and k not in self._outputs}
         self.figures.update(peak_backward=self._peak, peak_backward_count=len(self._peak_live),
-                            peak_backward_tensors=_top(self._peak_live),
-                            leftover=sum(e.nbytes for e in left), leftover_tensors=_top(left))
+                            peak_backward_tensors=_top(self._peak_live))
+        self._leftover()
+
+    def gradients(self, *grads: Any) -> None:
+        """Mark what the backward handed the caller as input gradients: a storage the forward saved
+        and the backward returned as the gradient (slime turns its saved softmax into the gradient in
+        place, saving a [T, V_local] allocation) is the caller's `.grad` now, not leftover."""
+        self._drain()
+        keys = {k for k in map(_key, _tensors(grads)) if k is not None}
+        self._left = {k: e for k, e in self._left.items() if k not in keys}
+        self._leftover()
+
+    def _leftover(self) -> None:
+        left = list(self._left.values())
+        self.figures.update(leftover=sum(e.nbytes for e in left), leftover_tensors=_top(left))
 
 
 def figures_of(mem: dict[str, Any]) -> dict[str, Any]:

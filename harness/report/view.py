@@ -60,11 +60,12 @@ def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
             "check": name,
             "cells": {lvl: per_level.get(lvl) for lvl in LEVELS},
             "failed": name in failing or any(s["failed"] for s in per_level.values()),
+            "known": sum(s.get("known", 0) for s in per_level.values()),
             "margin": worst, "margin_state": margin_state(worst), "worst_group": worst_group,
         })
     for name in dict.fromkeys(f["check"] for f in result["findings"]):
         if name not in result["checks"]:  # a feature's own check (a baseline gate): no per-case stats
-            rows.append({"check": name, "cells": {lvl: None for lvl in LEVELS}, "failed": True,
+            rows.append({"check": name, "cells": {lvl: None for lvl in LEVELS}, "failed": True, "known": 0,
                          "margin": None, "margin_state": "none", "worst_group": None})
     return sorted(rows, key=lambda r: not r["failed"])  # failing checks first; otherwise run order
 
@@ -110,11 +111,30 @@ def view(result: dict[str, Any]) -> dict[str, Any]:
         "summary": rows,
         "checks_failed": len({f["check"] for f in result["findings"]}),
         "findings": findings(result),
+        "known": known(result),
         "margins": {r["check"]: figs[r["check"]] for r in rows if r["check"] in figs},  # summary order
         "memory": memory(result),
         "baseline": baseline(result),
         "baseline_saved": result.get("baseline_saved"),
     }
+
+
+def known(result: dict[str, Any]) -> dict[str, Any] | None:
+    """The --known file's entries, each with its count (or stale) and one example repro; None without
+    a file. Known findings are shown apart from the new ones: they do not fail the run."""
+    data = result.get("known")
+    if not data:
+        return None
+    examples: dict[str, str] = {}
+    for f in result.get("known_findings", []):
+        examples.setdefault(f["known"], f["repro"])
+    rows = []
+    for e in data["entries"]:
+        where = ", ".join(f"{k} in {'|'.join(map(str, v))}" for k, v in e["where"].items()) or "every case"
+        label = next((k for k in examples if k.startswith(f"[{', '.join(e['checks'])}]") and e["reason"] in k), None)
+        rows.append({"checks": ", ".join(e["checks"]), "where": where, "reason": e["reason"], "link": e["link"],
+                     "matched": e["matched"], "example": examples.get(label, "") if label else ""})
+    return {"file": data["file"], "rows": rows, "stale": len(data["stale"])}
 
 
 MEMORY_METERS = (("retained", "retained after forward"), ("peak_forward", "peak in forward"),

@@ -310,33 +310,49 @@ class FusedLogProbEntropy:
             raise ValueError("response_length must be < total_length")
         return a, a + response_length
 
+    def recorded_rows(self, n_offsets: int, response_length: int) -> int:
+        """How many leading response rows have a recorded nucleus: row r has one iff
+        r + 1 < len(offsets) (slime's encoding of a missing nucleus is a short offsets list)."""
+        return max(0, min(response_length, n_offsets - 1))
+
+    def masked_rows(self, counts: torch.Tensor) -> torch.Tensor:
+        """Which recorded rows are masked to their nucleus: all of them, an empty one included
+        (it keeps only the target, which the kernel restores: log-prob 0)."""
+        return torch.ones_like(counts, dtype=torch.bool)
+
     def top_p_keep_mask(self, num_rows, v_local, rank, total_lengths, response_lengths,
                         top_p_token_ids, top_p_token_offsets, device) -> Optional[torch.Tensor]:
-        """Local ``[T, V_local]`` keep mask for the log-prob softmax, or None if nothing is masked."""
+        """Local ``[T, V_local]`` keep mask for the log-prob softmax, or None if nothing is masked.
+        Per sample, ids and offsets are tensors or lists of global ids and row offsets."""
         if top_p_token_ids is None or top_p_token_offsets is None:
             return None
         start = self.shard_start(rank, v_local)
         mask = None
         offset = 0
-        for i, (length, resp) in enumerate(zip(total_lengths, response_lengths)):
+        for length, resp, ids, offs in zip(total_lengths, response_lengths, top_p_token_ids, top_p_token_offsets):
             a, _b = self.response_rows(offset, int(length), int(resp))
             offset += int(length)
-            ids, offs = top_p_token_ids[i], top_p_token_offsets[i]
-            if ids is None or offs is None or int(resp) == 0:
-                continue
             ids = torch.as_tensor(ids, device=device).reshape(-1).to(torch.long)
             offs = torch.as_tensor(offs, device=device).reshape(-1).to(torch.long)
-            counts = offs[1:int(resp) + 1] - offs[:int(resp)]
-            rows = a + torch.arange(int(resp), device=device)
-            if not bool((counts > 0).any()):
+            n = self.recorded_rows(offs.numel(), int(resp))
+            if n == 0:
+                continue
+            if offs.numel() < n + 1:  # rows treated as recorded past the offsets have an empty range
+                offs = torch.cat([offs, offs[-1:].expand(n + 1 - offs.numel())]) if offs.numel() else \
+                    torch.zeros(n + 1, dtype=torch.long, device=device)
+            counts = offs[1:n + 1] - offs[:n]
+            rows = a + torch.arange(n, device=device)
+            selected = self.masked_rows(counts)
+            if not bool(selected.any()):
                 continue
             if mask is None:
                 mask = torch.ones(num_rows, v_local, dtype=torch.bool, device=device)
-            mask[rows[counts > 0]] = False
-            seg = ids[int(offs[0]):int(offs[int(resp)])]
+            mask[rows[selected]] = False
+            seg = ids[int(offs[0]):int(offs[n])]
             id_rows = torch.repeat_interleave(rows, counts)
+            keep = torch.repeat_interleave(selected, counts)
             local = seg - start
-            own = self.owned(local, v_local)
+            own = self.owned(local, v_local) & keep
             mask[id_rows[own], local[own]] = True
         return mask
 

@@ -58,3 +58,17 @@ class ResponseRowsOffByOne(Fused):
 class TopPIgnored(Fused):
     def top_p_keep_mask(self, *args, **kwargs):
         return None
+
+
+@mutant("empty-nucleus-unmasked", "an empty recorded nucleus leaves the row unmasked", ("top-p-replay",),
+        "slime's encoding: an empty range keeps only the target (log-prob 0), not the whole row")
+class EmptyNucleusUnmasked(Fused):
+    def masked_rows(self, counts):
+        return counts > 0
+
+
+@mutant("missing-nucleus-masked", "rows past the offsets' end masked as empty nuclei", ("top-p-replay",),
+        "slime's encoding: rows the offsets do not reach have no recorded nucleus and stay unmasked")
+class MissingNucleusMasked(Fused):
+    def recorded_rows(self, n_offsets, response_length):
+        return response_length

@@ -1,0 +1,108 @@
+"""Known findings: a TOML file of findings a CI gate accepts while they are being fixed.
+
+    [[known]]
+    check = "finite"                        # a check name, or a list of them
+    where = { regime = "neginf" }           # case fields as case specs write them ("absent", 0/1
+                                            # for flags); a list means any of them; omitted: every case
+    reason = "NaN entropy when a logit is -inf"
+    link = "https://github.com/OWNER/REPO/issues/N"
+
+A finding whose check and case match an entry is *known*: reported apart, and it does not fail the
+run. An entry that matched nothing in the run is *stale* (the defect is fixed, or the run did not
+reach it). `--strict` makes known findings and stale entries fail the run too.
+"""
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cases.case import CASE_TYPES, fmt_field, parse_case
+from harness.checks import BASELINE_CHECKS, all_checks
+from harness.errors import UsageError
+from harness.findings import Finding
+
+ENTRY_KEYS = {"check", "where", "reason", "link"}
+
+
+@dataclass
+class Entry:
+    checks: tuple[str, ...]
+    where: dict[str, tuple[Any, ...]]
+    reason: str
+    link: str = ""
+    matched: int = 0
+
+    def matches(self, finding: Finding) -> bool:
+        if finding.check not in self.checks:
+            return False
+        if not self.where:
+            return True
+        case = parse_case(finding.case)
+        return all(_field(case, key) in allowed for key, allowed in self.where.items())
+
+    def describe(self) -> str:
+        where = ", ".join(f"{k} = {v[0]}" if len(v) == 1 else f"{k} in {'|'.join(v)}" for k, v in self.where.items())
+        return f"[{', '.join(self.checks)}]" + (f" where {where}" if where else "") + f": {self.reason}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"checks": list(self.checks), "where": {k: list(v) for k, v in self.where.items()},
+                "reason": self.reason, "link": self.link, "matched": self.matched}
+
+
+def _spec_text(value: Any) -> str:
+    """A TOML value as case specs write it: `true` and 1 are both "1", "absent" stays "absent"."""
+    return value if isinstance(value, str) else fmt_field(value)
+
+
+def _field(case: Any, key: str) -> str:
+    return fmt_field(getattr(case, key))
+
+
+@dataclass
+class KnownFindings:
+    entries: list[Entry] = field(default_factory=list)
+    path: str = ""
+
+    def classify(self, finding: Finding) -> Entry | None:
+        """The first entry the finding matches (counted), or None for a new finding."""
+        for entry in self.entries:
+            if entry.matches(finding):
+                entry.matched += 1
+                return entry
+        return None
+
+    @property
+    def stale(self) -> list[Entry]:
+        return [e for e in self.entries if not e.matched]
+
+
+def load(path: str | Path) -> KnownFindings:
+    """Parse and validate the file: unknown checks, fields or keys are usage errors, not silence."""
+    check_names = set(all_checks()) | set(BASELINE_CHECKS)
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise UsageError(f"cannot read known findings {path}: {e}") from None
+    fields = {f for cls in CASE_TYPES.values() for f in cls.__dataclass_fields__} | {"T", "level", "vocab"}
+    entries = []
+    for i, raw in enumerate(data.get("known", [])):
+        where = f"{path}: entry {i + 1}"
+        if not isinstance(raw, dict) or set(raw) - ENTRY_KEYS or "check" not in raw or "reason" not in raw:
+            raise UsageError(f"{where}: an entry has `check` and `reason`, optionally `where` and `link` "
+                             f"(got {sorted(raw) if isinstance(raw, dict) else raw!r})")
+        checks = (raw["check"],) if isinstance(raw["check"], str) else tuple(raw["check"])
+        unknown = [c for c in checks if c not in check_names]
+        if unknown:
+            raise UsageError(f"{where}: unknown check(s) {unknown}; `python -m harness checks` lists them")
+        conditions = raw.get("where", {})
+        bad = sorted(set(conditions) - fields)
+        if bad:
+            raise UsageError(f"{where}: unknown case field(s) {bad}; known: {sorted(fields)}")
+        entries.append(Entry(checks, {k: tuple(map(_spec_text, v if isinstance(v, list) else [v]))
+                                      for k, v in conditions.items()},
+                             str(raw["reason"]), str(raw.get("link", ""))))
+    if set(data) - {"known"}:
+        raise UsageError(f"{path}: unexpected top-level key(s) {sorted(set(data) - {'known'})}; use [[known]] tables")
+    return KnownFindings(entries, str(path))

@@ -1,0 +1,48 @@
+"""Plumbing shared by the controls (group resolution, row chunks, argument normalisation).
+
+Only bookkeeping lives here; every numerical step is in the control's own module so that the
+controls stay algorithmically independent of each other.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def group_info(tp_group) -> tuple[object, int, int]:
+    """(group, world size, rank); a single rank when torch.distributed is not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, 1, 0
+    return tp_group, dist.get_world_size(tp_group), dist.get_rank(tp_group)
+
+
+def row_chunks(num_rows: int, chunk_size: Optional[int]) -> list[tuple[int, int]]:
+    """[s, e) row ranges; none at all for T == 0, so every rank issues no collective then."""
+    step = num_rows if chunk_size is None or chunk_size <= 0 else int(chunk_size)
+    return [(s, min(s + step, num_rows)) for s in range(0, num_rows, max(step, 1))]
+
+
+def normalise(logits: torch.Tensor, tokens: torch.Tensor, keep_mask: Optional[torch.Tensor]):
+    """Targets as int64 [T] and the mask as bool on the logits' device (no copy when already so)."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [T, V_local], got {tuple(logits.shape)}")
+    tokens = tokens.reshape(-1).to(device=logits.device, dtype=torch.long)
+    if keep_mask is not None:
+        keep_mask = keep_mask.to(device=logits.device, dtype=torch.bool)
+    return tokens, keep_mask
+
+
+def grad_mode(logits: torch.Tensor, with_entropy: bool, with_entropy_grad: bool) -> tuple[bool, bool]:
+    """(log-prob differentiable, entropy differentiable) per the contract's rule."""
+    needs = bool(logits.requires_grad and torch.is_grad_enabled())
+    return needs, bool(with_entropy and with_entropy_grad and needs)
+
+
+def effective_keep(keep: torch.Tensor, local: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """A new mask with this shard's target entries forced to kept (the caller's is never written)."""
+    rows = torch.arange(keep.shape[0], device=keep.device)
+    hit = torch.zeros_like(keep)
+    hit[rows[own], local[own]] = True
+    return keep | hit

@@ -1,0 +1,82 @@
+"""Control `gather`: all-gather each row chunk's full vocab, then plain float32 autograd.
+
+The only custom autograd piece is the gather itself (backward hands back this rank's columns,
+no reduction: the loss is replicated on every rank). The log-prob is `log_softmax` of the masked
+full row (the masked shard is gathered, not the mask); the entropy is -sum(softmax * log_softmax)
+of the unmasked full row. A metric-only entropy is computed under no_grad from a detached
+gather, so it keeps no graph.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from tests.controls._common import effective_keep, grad_mode, group_info, normalise, row_chunks
+from tests.controls._wrapper import make_wrapper
+
+
+class _AllGatherCols(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard, group, world, rank):
+        ctx.cols = (rank * shard.shape[-1], shard.shape[-1])
+        shard = shard.contiguous()
+        out = [torch.empty_like(shard) for _ in range(world)]
+        dist.all_gather(out, shard, group=group)
+        return torch.cat(out, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, n = ctx.cols
+        return grad.narrow(-1, a, n).contiguous(), None, None, None
+
+
+def _entropy(full: torch.Tensor) -> torch.Tensor:
+    log_p = torch.log_softmax(full, dim=-1)
+    # log p is -inf where p == 0; zero it before the product so neither value nor grad is NaN.
+    safe = torch.where(torch.isneginf(log_p), torch.zeros_like(log_p), log_p)
+    return -(torch.softmax(full, dim=-1) * safe).sum(-1)
+
+
+def calculate_log_probs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, tp_group,
+                                    with_entropy: bool = False, chunk_size: int = -1,
+                                    log_prob_keep_mask: Optional[torch.Tensor] = None,
+                                    with_entropy_grad: bool = True):
+    tokens, keep = normalise(logits, tokens, log_prob_keep_mask)
+    group, world, rank = group_info(tp_group)
+    _needs, ent_grad = grad_mode(logits, with_entropy, with_entropy_grad)
+    v_local = logits.shape[-1]
+    start = rank * v_local
+
+    def full_of(shard: torch.Tensor) -> torch.Tensor:
+        return shard if world == 1 else _AllGatherCols.apply(shard, group, world, rank)
+
+    x_all = logits.to(torch.float32)  # may alias a float32 input: out-of-place ops only
+    lps, ents = [], []
+    for s, e in row_chunks(logits.shape[0], chunk_size):
+        x = x_all[s:e]
+        tgt = tokens[s:e]
+        local = tgt - start
+        own = (local >= 0) & (local < v_local)
+        full = None
+        if keep is None:
+            full = full_of(x)
+            lp_in = full
+        else:
+            lp_in = full_of(x.masked_fill(~effective_keep(keep[s:e], local, own), float("-inf")))
+        lps.append(torch.log_softmax(lp_in, dim=-1).gather(-1, tgt.unsqueeze(-1)).squeeze(-1))
+        if with_entropy and ent_grad:
+            ents.append(_entropy(full if full is not None else full_of(x)))
+        elif with_entropy:
+            with torch.no_grad():
+                ents.append(_entropy((full if full is not None else full_of(x)).detach()))
+    # T == 0: no chunk, no collective on any rank; empties still follow the logits' autograd state.
+    log_prob = torch.cat(lps) if lps else x_all.sum(-1)
+    entropy = None
+    if with_entropy:
+        entropy = torch.cat(ents) if ents else (x_all.sum(-1) if ent_grad else x_all.detach().sum(-1))
+    return log_prob, entropy
+
+
+get_log_probs_and_entropy = make_wrapper(calculate_log_probs_and_entropy)
