@@ -52,6 +52,9 @@ CORPUS: tuple[Regression, ...] = (
                "gradients", KernelCase(tp=4, T=8, v_local=3, with_entropy=False, seed=9947)),
     Regression("odd-vocab-tp2", "Megatron-LM #1754: a vocab not divisible by the kernel block diverged at TP 2",
                "values", KernelCase(tp=2, T=6, v_local=7, seed=1754)),
+    Regression("neginf-entropy-finite", "slime main (found by this harness): 0 * -inf made the entropy and its "
+               "gradient NaN where a logit is -inf", "finite",
+               KernelCase(tp=2, T=6, v_local=5, regime="neginf", seed=1)),
     Regression("empty-batch-tp4", "contract: T == 0 returns empty outputs without error", "empty-input",
                KernelCase(tp=4, T=0, v_local=4)),
 )

@@ -109,3 +109,16 @@ def test_pytest_known_findings_are_xfails(tmp_path):
     assert "harness known findings" in run.stdout
     strict = suite("--strict-known")
     assert strict.returncode == 1 and "1 failed" in strict.stdout
+
+
+@pytest.mark.distributed
+def test_documented_example_gates_the_neginf_defect(harness_pools, capsys):
+    """docs/known-findings.md: the -inf defect is known, so the run passes; a routine without it
+    makes the entry stale."""
+    known = str(Path(__file__).resolve().parents[1] / "docs" / "examples" / "known-neginf.toml")
+    argv = ["check", "--tp", "1,2", "--profile", "smoke", "-q", "--known", known]
+    assert main(argv + ["--target", "mutant:entropy-nan-at-neginf"], pools=harness_pools) == 0
+    assert "KNOWN [finite, values" in capsys.readouterr().out
+    assert main(argv + ["--target", "harness.targets.fused"], pools=harness_pools) == 0
+    assert "STALE known entry" in capsys.readouterr().out
+    assert main(argv + ["--target", "harness.targets.fused", "--strict"], pools=harness_pools) == 1

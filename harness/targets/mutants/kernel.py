@@ -127,3 +127,11 @@ class Fp16Rejected(Fused):
         if chunk.dtype == torch.float16:
             raise TypeError("float16 logits are not supported")
         return super().upcast(chunk)
+
+
+@mutant("entropy-nan-at-neginf", "0 * -inf in the entropy: NaN where a logit is -inf", ("finite", "values"),
+        "found in slime's current main: NaN entropy and gradients when a logit is -inf")
+class EntropyNanAtNegInf(Fused):
+    def entropy(self, x, e, m, s, group):
+        t = self.all_reduce((e * (x - m.unsqueeze(-1))).sum(dim=-1), dist.ReduceOp.SUM, group, "entropy_term")
+        return torch.log(s) - t / s
