@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 from cases.case import Case
-from harness.checks import oracle
+from harness.checks import oracle, tolerance
 from harness.observations import Observation, RankResult
 from harness.targets import Target
 
@@ -51,16 +51,11 @@ class Evidence:
             return None
         return torch.cat(shards, dim=-1)
 
-    def compare(self, actual: Any, expected: torch.Tensor, atol: float, rtol: float, what: str) -> list[str]:
-        """`compare`, also recording how much of the tolerance was used (for the margin plots)."""
-        problems = compare(actual, expected, atol, rtol, what)
-        if isinstance(actual, torch.Tensor) and actual.numel() == expected.numel() and expected.numel():
-            a = actual.detach().to(torch.float64).reshape(expected.shape)
-            both = torch.isfinite(expected) & torch.isfinite(a)
-            if both.any():
-                allowed = atol + rtol * expected[both].abs()
-                ratio = ((a[both] - expected[both]).abs() / allowed.clamp_min(1e-300)).max().item()
-                self.margins.append((what, ratio))
+    def compare(self, actual: Any, expected: torch.Tensor, bound: torch.Tensor, what: str) -> list[str]:
+        """`tolerance.compare`, also recording how much of the bound was used (for the margin plots)."""
+        problems, worst = tolerance.compare(actual, expected, bound, what)
+        if worst is not None:
+            self.margins.append((what, worst))
         return problems
 
 
@@ -100,20 +95,6 @@ def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
                                (fn.__doc__ or "").strip())
         return fn
     return register
-
-
-def compare(actual: Any, expected: torch.Tensor, atol: float, rtol: float, what: str) -> list[str]:
-    """torch.testing.assert_close against float64 expectations, as a list of failure messages."""
-    if not isinstance(actual, torch.Tensor):
-        return [f"{what}: expected a tensor, got {type(actual).__name__}"]
-    try:
-        torch.testing.assert_close(actual.detach().to(torch.float64).reshape(expected.shape)
-                                   if actual.numel() == expected.numel() else actual.detach().to(torch.float64),
-                                   expected, atol=atol, rtol=rtol, check_dtype=False,
-                                   msg=lambda m: f"{what} (atol={atol:.3g}, rtol={rtol:.3g}): {m}")
-    except AssertionError as e:
-        return [str(e)]
-    return []
 
 
 # The performance gate's checks (`harness.perf_gate`): they compare a run with a saved baseline,

@@ -1,49 +1,33 @@
-"""What a case should produce: the float64 oracle run once per case in the main process, plus the
-tolerance policy (see docs/tolerances.md).
+"""What a case should produce: the float64 oracle run once per case in the main process, with the
+allowed error of every value and gradient entry (`tolerance`, derived in docs/tolerances.md).
 
 Tolerances are float32-scale whatever the input dtype, since the contract makes the math float32:
-`atol = K * 2**-24 * C` with `C = max|x| (finite entries) + ln V`. Gradients scale that by the size
-of the upstream weights and, for the entropy term, by `2 + ln V` (|p (log p + H)| <= 1/e + H).
-Gradients returned in bf16/fp16 add that dtype's rounding of the expected values.
+the bf16/fp16 logits are upcast exactly, and only the gradient, returned in the logits' dtype, may
+carry one more rounding to that dtype.
 """
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
 
 import reference
 from cases.case import Case, KernelCase, WrapperCase
+from harness.checks.tolerance import grad_bound, value_bounds
 
-U32 = 2.0 ** -24
-K = 8.0
-_OUT_EPS = {"fp32": 0.0, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
+PerSample = list[torch.Tensor]
 
 
 @dataclass(frozen=True)
 class Expected:
-    log_prob: torch.Tensor | list[torch.Tensor]  # kernel: [T]; wrapper: per-sample [R_i]
-    entropy: torch.Tensor | list[torch.Tensor] | None
+    log_prob: torch.Tensor | PerSample  # kernel: [T]; wrapper: per-sample [R_i]
+    entropy: torch.Tensor | PerSample | None
     grad: torch.Tensor | None  # full [T, V] float64
     entropy_requires_grad: bool
-    value_atol: float
-    grad_atol: float
-    grad_rtol: float
-
-
-def _scale(x: torch.Tensor, vocab: int) -> float:
-    finite = x[torch.isfinite(x)]
-    return (finite.abs().max().item() if finite.numel() else 0.0) + math.log(max(vocab, 1))
-
-
-def _grad_atol(scale: float, vocab: int, w1: list[torch.Tensor], w2: list[torch.Tensor] | None,
-               dtype: str, grad: torch.Tensor | None) -> float:
-    wmax = lambda ws: max((w.abs().max().item() for w in ws if w.numel()), default=0.0)  # noqa: E731
-    weight = wmax(w1) + (wmax(w2) * (2.0 + math.log(vocab)) if w2 else 0.0)
-    out = _OUT_EPS[dtype] * (grad.abs().max().item() if grad is not None and grad.numel() else 0.0)
-    return K * U32 * scale * weight + out
+    log_prob_tol: torch.Tensor | PerSample  # the allowed |error|, shaped like the values
+    entropy_tol: torch.Tensor | PerSample | None
+    grad_tol: torch.Tensor | None  # [T, V]
 
 
 @functools.lru_cache(maxsize=256)
@@ -56,40 +40,61 @@ def expected(case: Case) -> Expected:
 def _kernel(case: KernelCase) -> Expected:
     inp = case.inputs()
     x = inp.logits.to(torch.float64)
-    grad = None
+    w2 = inp.w_entropy if case.expects_entropy_grad else None
+    grad = grad_tol = None
     if case.requires_grad:
-        w2 = inp.w_entropy if case.expects_entropy_grad else None
         grad = reference.logits_grad(x, inp.tokens, inp.keep_mask, inp.w_log_prob, w2)
-    w1s = [inp.w_log_prob] if inp.w_log_prob is not None else []
-    w2s = [inp.w_entropy] if case.expects_entropy_grad and inp.w_entropy is not None else None
-    scale = _scale(x, case.vocab)
+        grad_tol = grad_bound(x, inp.tokens, inp.keep_mask, inp.w_log_prob, w2, tp=case.tp, dtype=case.dtype,
+                              grad=grad)
+    lp_tol, ent_tol = value_bounds(x, inp.tokens, inp.keep_mask, tp=case.tp)
     return Expected(
         log_prob=reference.log_probs(x, inp.tokens, inp.keep_mask),
         entropy=reference.entropy(x) if case.with_entropy else None,
-        grad=grad,
-        entropy_requires_grad=case.expects_entropy_grad,
-        value_atol=K * U32 * scale,
-        grad_atol=_grad_atol(scale, case.vocab, w1s, w2s, case.dtype, grad),
-        grad_rtol=_OUT_EPS[case.dtype],
+        grad=grad, entropy_requires_grad=case.expects_entropy_grad,
+        log_prob_tol=lp_tol, entropy_tol=ent_tol if case.with_entropy else None, grad_tol=grad_tol,
     )
+
+
+def _per_sample(values: torch.Tensor, rows: list[torch.Tensor]) -> PerSample:
+    return [values[r] for r in rows]
 
 
 def _wrapper(case: WrapperCase) -> Expected:
     inp = case.inputs()
     args = case.args()
-    common = dict(unconcat_tokens=inp.unconcat_tokens, total_lengths=list(case.total_lengths),
-                  response_lengths=list(case.response_lengths), with_entropy=case.with_entropy,
-                  top_p_token_ids=inp.top_p_token_ids, top_p_token_offsets=inp.top_p_token_offsets)
+    lengths, responses = list(case.total_lengths), list(case.response_lengths)
+    common = dict(unconcat_tokens=inp.unconcat_tokens, total_lengths=lengths, response_lengths=responses,
+                  with_entropy=case.with_entropy, top_p_token_ids=inp.top_p_token_ids,
+                  top_p_token_offsets=inp.top_p_token_offsets)
     out = reference.wrapper_outputs(inp.logits, args, **common)
     w2 = inp.w_entropy if out["entropy_requires_grad"] else None
     grad = reference.wrapper_logits_grad(inp.logits, args, w_log_probs=inp.w_log_probs, w_entropy=w2, **common)
-    temperature = case.temperature if case.temperature is not None else 1.0
-    scale = _scale(inp.logits.to(torch.float64) / temperature, case.vocab)
-    # The chain rule through 1/temperature scales every gradient entry.
+    # The bounds are those of the kernel on the rows the wrapper hands it: the logits divided by the
+    # temperature (one more float32 rounding of the input when it is not 1), shifted targets, the
+    # replayed keep mask, and the response weights; the chain rule through 1/t scales the gradient.
+    t = case.temperature if case.temperature is not None else 1.0
+    z = reference.apply_temperature(inp.logits, t)
+    tokens = reference.shifted_targets(inp.unconcat_tokens, lengths)
+    rows = reference.response_rows(lengths, responses)
+    mask = reference.top_p_keep_mask(case.T, case.vocab, lengths, responses, inp.top_p_token_ids,
+                                     inp.top_p_token_offsets)
+    rounded = t != 1.0
+    lp_tol, ent_tol = value_bounds(z, tokens, mask, tp=case.tp, input_rounded=rounded)
+    w1_rows = _scatter(inp.w_log_probs, rows, case.T)
+    w2_rows = _scatter(w2, rows, case.T) if w2 is not None else None
+    grad_tol = grad_bound(z, tokens, mask, w1_rows, w2_rows, tp=case.tp, input_rounded=rounded,
+                          grad=grad * t) / abs(t)
     return Expected(
         log_prob=out["log_probs"], entropy=out["entropy"], grad=grad,
         entropy_requires_grad=out["entropy_requires_grad"],
-        value_atol=K * U32 * scale,
-        grad_atol=_grad_atol(scale, case.vocab, inp.w_log_probs, w2, "fp32", grad) / abs(temperature),
-        grad_rtol=0.0,
+        log_prob_tol=_per_sample(lp_tol, rows),
+        entropy_tol=_per_sample(ent_tol, rows) if case.with_entropy else None, grad_tol=grad_tol,
     )
+
+
+def _scatter(per_sample: PerSample, rows: list[torch.Tensor], T: int) -> torch.Tensor:
+    """Per-sample response weights as one [T] vector, 0 on the rows outside every response."""
+    w = torch.zeros(T, dtype=torch.float64)
+    for values, r in zip(per_sample, rows):
+        w[r] = values.to(torch.float64)
+    return w

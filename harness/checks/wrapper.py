@@ -9,14 +9,14 @@ WRAPPER = ("wrapper",)
 
 def _per_sample(ev: Evidence, key: str, what: str) -> list[str]:
     exp = ev.expected
-    want = getattr(exp, key)
+    want, bounds = getattr(exp, key), getattr(exp, f"{key}_tol")
     problems = []
     for r in ev.ranks:
         got = getattr(r.obs, key)
         if want is None or got is None or len(got) != len(want):
             continue  # counted by wrapper-extraction
-        for i, (g, w) in enumerate(zip(got, want)):
-            problems += ev.compare(g, w, exp.value_atol, 0.0, f"rank {r.rank} sample {i} {what}")
+        for i, (g, w, b) in enumerate(zip(got, want, bounds)):
+            problems += ev.compare(g, w, b, f"rank {r.rank} sample {i} {what}")
     return problems
 
 
@@ -93,7 +93,7 @@ def wrapper_gradients(ev: Evidence) -> list[str]:
     if grad is None:
         return ["no gradient reached the logits"]
     exp = ev.expected
-    return ev.compare(grad, exp.grad, exp.grad_atol, exp.grad_rtol, "grad (all shards)")
+    return ev.compare(grad, exp.grad, exp.grad_tol, "grad (all shards)")
 
 
 @check("chunk-size-honoured", levels=WRAPPER, applies=lambda c, t: c.kernel_comparable and t.kernel is not None)

@@ -1,0 +1,192 @@
+"""The tolerance policy: a first-order float32 rounding-error bound, per row for the values and per
+element for the gradient, computed from the float64 row itself (derivation: docs/tolerances.md).
+
+It holds for any float32 algorithm in a stated class: shifted or unshifted softmax, sequential,
+pairwise or blocked sums with sequential chains of at most CHAIN roundings combined in any order
+(every order at all below V = CHAIN / 2), online softmax over vocab blocks, recompute in backward,
+all-gather plus torch.log_softmax. It grows with the vocab size, the logits' magnitudes and the
+entropy, not with a tuned constant; math in bf16 or a gradient rounded to bf16 exceed it by far
+(the `low-precision-math` and `gradient-quantized-bf16` mutants).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+U32 = 2.0 ** -24
+C_FN = 4.0  # exp / log within 2 ulp: 4 u relative (glibc, Sleef u10, CUDA expf/logf, Triton tl.exp)
+CHAIN = 1024  # the longest sequential accumulation chain assumed, in roundings (docs/tolerances.md, A2)
+OUT_U = {"fp32": 0.0, "bf16": 2.0 ** -7, "fp16": 2.0 ** -10}  # one ulp: the gradient cast to the logits' dtype, in any rounding mode
+OUT_FLOOR = {"fp32": 2.0 ** -126, "bf16": 2.0 ** -126, "fp16": 2.0 ** -24}  # flush-to-zero / subnormal floor
+
+
+def depth(vocab: int, tp: int, chain: int | None = CHAIN) -> int:
+    """Roundings on the path of one term through a vocab sum (S, W or sum p x), adds and rescales.
+
+    chain=None: any order at all, e.g. strictly sequential over the whole (gathered) vocab with an
+    online-softmax rescale at every element: D = 2V.  chain=c: sequential chains of at most c
+    roundings (a per-thread / per-block loop), whose ceil(V/c) results and the tp ranks are then
+    combined in any order with <= 2 roundings (add + rescale) per step."""
+    vocab, tp = max(int(vocab), 1), max(int(tp), 1)
+    if chain is None:
+        return 2 * vocab
+    return min(2 * vocab, int(chain) + 2 * math.ceil(vocab / int(chain)) + 2 * tp)
+
+
+def growth(vocab: int, tp: int, chain: int | None = CHAIN) -> float:
+    """Summation growth factor g = gamma_D / u = D / (1 - D u): the relative error of a float32 sum
+    of same-sign terms is at most g*u (Higham, Accuracy and Stability, 4.2)."""
+    d = depth(vocab, tp, chain)
+    return d / (1.0 - d * U32)
+
+
+def _mask(x: torch.Tensor, tokens: torch.Tensor | None, keep_mask: torch.Tensor | None) -> torch.Tensor:
+    if keep_mask is None:
+        return x
+    keep = keep_mask.to(torch.bool, copy=True)
+    keep[torch.arange(x.shape[0]), tokens.long()] = True
+    return x.masked_fill(~keep, float("-inf"))
+
+
+def row_stats(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """float64 per-row quantities over the finite entries of x [T, V] (-inf = absent)."""
+    x = x.to(torch.float64)
+    fin = torch.isfinite(x)
+    n = fin.sum(-1).clamp_min(1).to(torch.float64)
+    m = torch.where(fin, x, torch.full_like(x, -math.inf)).max(-1).values
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    L = torch.logsumexp(torch.where(fin, x, torch.full_like(x, -math.inf)), -1)
+    L = torch.where(torch.isfinite(L), L, torch.zeros_like(L))
+    xs = torch.where(fin, x, m.unsqueeze(-1))                  # finite stand-in, weight 0 below
+    ell = xs - L.unsqueeze(-1)                                 # log p
+    p = torch.where(fin, ell.exp(), torch.zeros_like(x))
+    gap = m.unsqueeze(-1) - xs                                 # m - x >= 0
+    H = -(p * ell).sum(-1)
+    E = lambda t: (p * t).sum(-1)                              # noqa: E731
+    return dict(n=n, m=m, L=L, H=H, p=p, ell=ell, gap=gap, fin=fin,
+                A=torch.where(fin, x.abs(), torch.zeros_like(x)).max(-1).values,
+                G1=E(gap), G2=E(gap * gap), a1=E(xs.abs()), X=E(xs.abs() * gap),
+                Q=E((ell.abs() + 1) * (gap + ell.abs())),
+                XH=E(xs.abs() * (ell + H.unsqueeze(-1)).abs()))
+
+
+def _lse_err(s: dict, g: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(relative error of the softmax normaliser S, absolute error of lse), in units of 1."""
+    eps_s = U32 * (g + 2 * C_FN + 2 + s["G1"])
+    d_lse = eps_s + U32 * (C_FN + 1) * (s["L"].abs() + s["n"].log())
+    return eps_s, d_lse
+
+
+def _entropy_bound(s: dict, g: float) -> torch.Tensor:
+    eps_s, d_lse = _lse_err(s, g)
+    lnn = s["n"].log()
+    # (a) shifted: H = log S - W/S, W = sum e (x - m)
+    shifted = eps_s * (1 + s["G1"]) + U32 * (C_FN * lnn + s["G1"] * (g + C_FN + 3) + s["G2"] + s["H"])
+    # (b) lse - sum(p x), p = e/S normalised (softmax), lse possibly from another pass
+    unshifted = d_lse + eps_s * s["a1"] + U32 * (s["X"] + (g + C_FN + 2) * s["a1"] + s["H"])
+    # (c) log_softmax then -sum(exp(l) l)
+    d_logs = eps_s + U32 * C_FN * lnn
+    logsm = d_logs * (s["H"] + 1) + U32 * (s["Q"] + (g + C_FN + 1) * s["H"])
+    return torch.maximum(torch.maximum(shifted, unshifted), logsm)
+
+
+def _input_rounding_values(s: dict, xt: torch.Tensor | None) -> torch.Tensor:
+    """Extra error when the routine rounds its inputs once (x/temperature in float32)."""
+    return U32 * ((xt.abs() if xt is not None else 0) + s["a1"])
+
+
+def value_bounds(x, tokens, keep_mask=None, tp: int = 1, chain: int | None = CHAIN,
+                 input_rounded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allowed |error| per row of (log_prob [T], entropy [T]) for a float32 routine."""
+    x = x.to(torch.float64)
+    g = growth(x.shape[-1], tp, chain)
+    tokens = tokens.long()
+    sm = row_stats(_mask(x, tokens, keep_mask))
+    xt = x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    _, d_lse_m = _lse_err(sm, g)
+    lp = d_lse_m + 2 * U32 * ((xt - sm["L"]).abs() + (sm["m"] - xt).abs())
+    s = sm if keep_mask is None else row_stats(x)
+    ent = _entropy_bound(s, g)
+    if input_rounded:
+        lp = lp + _input_rounding_values(sm, xt)
+        ent = ent + U32 * s["XH"]
+    return lp, ent
+
+
+def grad_bound(x, tokens, keep_mask, w1, w2, tp: int = 1, dtype: str = "fp32", chain: int | None = CHAIN,
+               input_rounded: bool = False, grad: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """Allowed |error| per element [T, V] of the gradient of sum(w1 lp) + sum(w2 H).
+
+    w1 / w2: [T] upstream weights or None (term absent).  dtype: the logits' (= gradient's) dtype.
+    grad: the float64 oracle gradient (recomputed when None)."""
+    x = x.to(torch.float64)
+    T, V = x.shape
+    g = growth(V, tp, chain)
+    tokens = tokens.long()
+    bound = torch.zeros_like(x)
+    gexact = torch.zeros_like(x)
+    _, ent_b = value_bounds(x, tokens, None, tp, chain)
+    if w1 is not None:
+        sm = row_stats(_mask(x, tokens, keep_mask))
+        _, d_lse = _lse_err(sm, g)
+        q = sm["p"]
+        r = d_lse.unsqueeze(-1) + U32 * (sm["ell"].abs() + sm["gap"] + C_FN + 1)   # rel. error of q_i
+        onehot = torch.zeros_like(x)
+        onehot[torch.arange(T), tokens] = 1.0
+        a1 = w1.to(torch.float64).abs().unsqueeze(-1)
+        term = q * r + 2 * U32 * (onehot - q).abs()
+        if input_rounded:
+            term = term + U32 * q * (torch.where(sm["fin"], x.abs(), torch.zeros_like(x)) + sm["a1"].unsqueeze(-1))
+        bound += a1 * term
+        gexact += w1.to(torch.float64).unsqueeze(-1) * (onehot - q)
+    if w2 is not None:
+        s = row_stats(x)
+        _, d_lse = _lse_err(s, g)
+        p, ell, H = s["p"], s["ell"], s["H"].unsqueeze(-1)
+        r = d_lse.unsqueeze(-1) + U32 * (ell.abs() + s["gap"] + C_FN + 1)
+        d_ell = d_lse.unsqueeze(-1) + U32 * (2 * ell.abs() + s["gap"])
+        core = (ell + H).abs()
+        term = p * ((r + 2 * U32) * core + d_ell + ent_b.unsqueeze(-1)
+                    + 2 * U32 * (ell.abs() + H + 2))
+        if input_rounded:
+            xa = torch.where(s["fin"], x.abs(), torch.zeros_like(x))
+            term = term + U32 * p * ((xa + s["a1"].unsqueeze(-1)) * (core + 1) + s["XH"].unsqueeze(-1))
+        bound += w2.to(torch.float64).abs().unsqueeze(-1) * term
+        gexact += w2.to(torch.float64).unsqueeze(-1) * torch.where(p > 0, -p * (ell + H), torch.zeros_like(p))
+    if grad is None:
+        grad = gexact
+    wsum = (w1.abs() if w1 is not None else 0) + (w2.abs() if w2 is not None else 0)
+    wsum = torch.as_tensor(wsum, dtype=torch.float64).reshape(-1, 1) if not isinstance(wsum, int) else 0.0
+    floor = OUT_FLOOR["fp32"] * 64 * (1 + wsum)  # float32 underflow of q, p
+    return bound + (U32 + OUT_U[dtype]) * grad.abs() + floor + OUT_FLOOR[dtype]
+
+
+def compare(actual: Any, expected: torch.Tensor, bound: torch.Tensor, what: str) -> tuple[list[str], float | None]:
+    """|actual - expected| <= bound elementwise, through torch.testing.assert_close on both sides
+    divided by the bound (so its "absolute difference" reads in units of the bound, 1 allowed).
+    Returns (problems, the worst error/bound over the entries finite on both sides, or None)."""
+    if not isinstance(actual, torch.Tensor):
+        return [f"{what}: expected a tensor, got {type(actual).__name__}"], None
+    a = actual.detach().to(torch.float64)
+    if a.numel() != expected.numel():
+        return [f"{what}: {a.numel()} elements, expected {expected.numel()}"], None
+    a = a.reshape(expected.shape)
+    b = bound.to(torch.float64).reshape(bound.shape + (1,) * (expected.dim() - bound.dim())).expand_as(expected)
+    b = b.clamp_min(1e-300)
+    both = torch.isfinite(a) & torch.isfinite(expected)
+    ratio = (a - expected).abs() / b
+    worst = ratio[both].max().item() if both.any() else None
+    try:
+        torch.testing.assert_close(a / b, expected / b, atol=1.0, rtol=0.0, check_dtype=False,
+                                   msg=lambda m: f"{what}, error in units of its float32 bound: {m}")
+    except AssertionError as e:
+        problems = [str(e)]
+        if worst is not None and worst > 1:
+            i = tuple(int(k) for k in (ratio.masked_fill(~both, -1) == worst).nonzero()[0])
+            problems.append(f"worst at {list(i)}: actual {a[i].item():.9g}, expected {expected[i].item():.9g}, "
+                            f"|error| {abs(a[i] - expected[i]).item():.3g} > bound {b[i].item():.3g}")
+        return ["\n".join(problems)], worst
+    return [], worst
