@@ -140,3 +140,18 @@ def test_wrapper_slime_top_p(name):
         torch.testing.assert_close(res["entropy"][i].double(), -(p * full[rows]).sum(-1), atol=1e-5, rtol=0)
         assert not res["entropy"][i].requires_grad  # entropy_coef absent means 0
     assert res["log_probs"][0][1].item() == 0.0
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", CONTROLS)
+def test_the_harness_finds_nothing_on_a_control(name, harness_pools):
+    """Zero false findings: the regression corpus and a few randomized cases of each level at TP 1
+    and 2, every check. (The `ci` and `thorough` profiles at TP 1, 2, 4: docs/tolerances.md.)"""
+    from harness.engine.explorer import explore, run_corpus
+    from harness.engine.runner import Runner
+
+    runner = Runner(f"tests.controls.{name}", collective_timeout_s=6, pools=harness_pools)
+    findings = run_corpus(runner, [1, 2])
+    for level in runner.target.levels:
+        findings += explore(runner, level, [1, 2], 12, seed=5, shrink=False)
+    assert not findings, [f"{f.check}: {f.case}: {f.message[:300]}" for f in findings]

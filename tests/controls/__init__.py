@@ -19,8 +19,8 @@ separate max / sumexp / target all-reduces with a saved float32 softmax):
 - `autograd_collective`: plain autograd through a differentiable all-reduce SUM (identity
   backward) with a detached all-reduced max.
 
-Known harness-side findings these controls can still draw, not defects of theirs: the
+Two of them once drew false findings from the harness, which were the harness's to fix: the
 `inplace_grad` gradient buffer counted by `memory-backward-frees` (it is the returned gradient),
-and top-p cases built with the old encoding (an empty recorded nucleus read as "unmasked", a
-`None` sample), where the wrapper follows slime's (empty range keeps only the target).
+and top-p cases built with an encoding slime does not use (docs/contract.md). Their worst margins
+against the tolerance are in docs/tolerances.md.
 """
