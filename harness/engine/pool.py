@@ -51,7 +51,7 @@ RAISED_GRACE_S = 2.0
 # rank blocked (none returned) the bar is higher, a slow collective being the innocent explanation.
 STUCK_FLOOR_S = 0.5
 STUCK_COST_FACTOR = 20
-ALL_BLOCKED_FLOOR_S = 2.0
+ALL_BLOCKED_FLOOR_S = 3.0
 ALL_BLOCKED_COST_FACTOR = 50
 POLL_S = 0.05
 # Case deadline once the pool has measured MIN_MEASURED jobs: max(CASE_FLOOR_S, CASE_COST_FACTOR x

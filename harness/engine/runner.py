@@ -107,6 +107,10 @@ class Runner:
             self._cache.popitem(last=False)
         return ev
 
+    def has_run(self, case: Case) -> bool:
+        """Whether `run(case)` would be answered from the cache (costs nothing)."""
+        return case in self._cache
+
     def executed(self) -> list[Evidence]:
         """The evidence of the cases run so far (the CACHE_SIZE most recently used), for summaries."""
         return list(self._cache.values())
