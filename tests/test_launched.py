@@ -33,9 +33,12 @@ def test_active_only_under_a_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert launched.active()
-    launched.check_sizes([8])
-    with pytest.raises(LaunchError, match="pass --tp 8 \\(got --tp 1,2,4\\)"):
+    assert launched.check_sizes([8]) == 8
+    assert launched.check_sizes([2]) == 2  # DP 4 replicas of a TP-2 group
+    with pytest.raises(LaunchError, match="--tp 8 for one TP group; one of 1, 2, 4, 8\\) \\(got --tp 1,2,4\\)"):
         launched.check_sizes([1, 2, 4])
+    with pytest.raises(LaunchError, match="got --tp 3"):
+        launched.check_sizes([3])
 
 
 def test_cli_check_on_two_launched_ranks() -> None:

@@ -45,12 +45,13 @@ def _describe(op: str, args: tuple, kwargs: dict) -> Event:
 def _wrap(op: str, fn: Callable) -> Callable:
     @functools.wraps(fn)
     def traced(*args: Any, **kwargs: Any):
-        if _events is None:
+        observer = _observer
+        if _events is None and observer is None:
             return fn(*args, **kwargs)
         # Recorded before the call: a rank that hangs inside still shows what it issued.
         event = _describe(op, args, kwargs)
-        _events.append(event)
-        observer = _observer
+        if _events is not None:
+            _events.append(event)
         if observer is None:
             return fn(*args, **kwargs)
         observer[0](event, _depth == 1)
