@@ -15,7 +15,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("harness.errors", "harness.meters"),
     ("harness.observations", "harness.targets"),
     ("harness.targets.mutants", "harness.options"),
-    ("harness.engine.calls", "harness.engine.executor", "harness.engine.progress", "harness.engine.pool",
+    ("harness.engine", "harness.engine.calls", "harness.engine.executor", "harness.engine.progress", "harness.engine.pool",
      "harness.engine.torchrun", "harness.engine.perf_jobs", "harness.engine.callgrind"),
     ("harness.checks", "harness.findings"),
     ("harness.engine.runner", "harness.engine.limits", "harness.engine.explorer"),
