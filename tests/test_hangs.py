@@ -114,6 +114,8 @@ def test_run_limits_skip_known_hangs_and_targets_that_hang_everywhere():
     for _ in range(EVERY_CASE_AFTER):
         limits.observe(_ev(["timeout", "timeout"], differentiable))
     assert "hangs everywhere" in limits.skip_reason(differentiable)
+    everywhere = Finding("hang", "kernel", differentiable.spec(), "timeout", "repro")
+    assert limits.final([shrunk, everywhere]) == [shrunk], "hangs everywhere: one report"
     limits.record([shrunk, shrunk])
     assert not limits.reached()
     limits.record([shrunk])

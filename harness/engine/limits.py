@@ -95,11 +95,13 @@ class RunLimits:
 
     def final(self, findings: list[Finding]) -> list[Finding]:
         """One report per hang class: findings on other hung cases of the class are folded into its
-        shrunk finding (or, unshrunk, its first)."""
+        shrunk finding (or, unshrunk, its first); a target that hangs everywhere gets one report."""
         out = []
+        first = next(iter(self.hung_cases), None)
         for f in findings:
             cls = self.hung_cases.get(f.case)
-            if cls is not None and f.case != self.known_hangs.get(cls, self.first_hang.get(cls)):
+            keep = first if self.every_case else self.known_hangs.get(cls, self.first_hang.get(cls))
+            if cls is not None and f.case != keep:
                 self.folded += 1
                 continue
             out.append(f)
