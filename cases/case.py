@@ -58,13 +58,27 @@ class WrapperInputs:
     w_entropy: list[torch.Tensor]
 
 
+# Fields left out of the spec at their default, so the specs (and test ids) of cases that
+# predate them stay unchanged.
+_QUIET_DEFAULTS = {"dp": 1}
+REPLICA_SEED_STRIDE = 1_000_003
+
+
 class _CaseBase:
     level: ClassVar[str]
 
     def spec(self) -> str:
         """Stable one-line form; `parse_case(spec)` rebuilds the case."""
-        parts = [f"{f.name}={fmt_field(getattr(self, f.name))}" for f in dataclasses.fields(self)]
+        parts = [f"{f.name}={fmt_field(getattr(self, f.name))}" for f in dataclasses.fields(self)
+                 if not (f.name in _QUIET_DEFAULTS and getattr(self, f.name) == _QUIET_DEFAULTS[f.name])]
         return f"{self.level}:" + ",".join(parts)
+
+    def replica(self, d: int):
+        """What DP replica `d` of this case computes: the same shapes and settings on other data
+        (replica 0 is the case itself), so a reduction that crosses replicas corrupts the answer."""
+        if d == 0:
+            return self
+        return dataclasses.replace(self, seed=(self.seed + d * REPLICA_SEED_STRIDE) % 2**31)
 
     def replace(self, **changes: Any):
         return dataclasses.replace(self, **changes)
@@ -95,6 +109,7 @@ class KernelCase(_CaseBase):
     requires_grad: bool = True
     loss_terms: str = "both"  # which outputs the upstream loss uses: both | log_prob | entropy
     seed: int = 0
+    dp: int = 1  # data-parallel replicas: the TP group is a subgroup of a world of tp x dp ranks
     level: ClassVar[str] = "kernel"
 
     @property
@@ -108,7 +123,8 @@ class KernelCase(_CaseBase):
 
     def group(self) -> str:
         """Readable id of the configuration family, used in test ids and summaries."""
-        return f"{self.level}-tp{self.tp}-{self.dtype}-{'masked' if self.mask != 'none' else 'unmasked'}"
+        dp = f"-dp{self.dp}" if self.dp > 1 else ""
+        return f"{self.level}-tp{self.tp}{dp}-{self.dtype}-{'masked' if self.mask != 'none' else 'unmasked'}"
 
     def inputs(self) -> KernelInputs:
         g = _generator(self.seed)
@@ -153,6 +169,7 @@ class WrapperCase(_CaseBase):
     top_p: str = "none"
     regime: str = "normal"
     seed: int = 0
+    dp: int = 1  # data-parallel replicas: the TP group is a subgroup of a world of tp x dp ranks
     level: ClassVar[str] = "wrapper"
 
     @property
@@ -165,7 +182,8 @@ class WrapperCase(_CaseBase):
         return self.with_entropy and coef != 0
 
     def group(self) -> str:
-        return f"{self.level}-tp{self.tp}-{'topp' if self.top_p != 'none' else 'plain'}"
+        dp = f"-dp{self.dp}" if self.dp > 1 else ""
+        return f"{self.level}-tp{self.tp}{dp}-{'topp' if self.top_p != 'none' else 'plain'}"
 
     @property
     def kernel_comparable(self) -> bool:

@@ -57,4 +57,7 @@ CORPUS: tuple[Regression, ...] = (
                KernelCase(tp=2, T=6, v_local=5, regime="neginf", seed=1)),
     Regression("empty-batch-tp4", "contract: T == 0 returns empty outputs without error", "empty-input",
                KernelCase(tp=4, T=0, v_local=4)),
+    Regression("tp-group-not-world", "in training world = DP x TP: a reduction over the default group mixes "
+               "replicas, invisible wherever the world is one TP group", "values",
+               KernelCase(tp=2, T=5, v_local=4, mask="random", dp=2, seed=4242)),
 )

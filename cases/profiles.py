@@ -14,13 +14,23 @@ class Profile:
     kernel_cases: int  # randomized kernel cases per TP size
     wrapper_cases: int  # randomized wrapper cases per TP size
     pytest_examples: int  # examples per parametrized pytest id
+    # TP sizes (among those asked for) also explored as subgroups of a world of DP = 2 replicas, as
+    # in training, where a reduction over the wrong group gives a wrong answer; cases per TP size.
+    dp_tp: tuple[int, ...] = ()
+    dp_kernel_cases: int = 0
+    dp_wrapper_cases: int = 0
+    # TP sizes added to those asked for (small cases: the strategies' shapes are small at any size).
+    extra_tp: tuple[int, ...] = ()
 
 
 PROFILES = {
     "smoke": Profile("smoke", kernel_cases=12, wrapper_cases=5, pytest_examples=4),
-    "ci": Profile("ci", kernel_cases=150, wrapper_cases=40, pytest_examples=8),
-    "dev": Profile("dev", kernel_cases=150, wrapper_cases=40, pytest_examples=15),
-    "thorough": Profile("thorough", kernel_cases=2000, wrapper_cases=500, pytest_examples=100),
+    "ci": Profile("ci", kernel_cases=150, wrapper_cases=40, pytest_examples=8,
+                  dp_tp=(2,), dp_kernel_cases=24, dp_wrapper_cases=6),
+    "dev": Profile("dev", kernel_cases=150, wrapper_cases=40, pytest_examples=15,
+                   dp_tp=(2,), dp_kernel_cases=24, dp_wrapper_cases=6),
+    "thorough": Profile("thorough", kernel_cases=2000, wrapper_cases=500, pytest_examples=100,
+                        dp_tp=(2, 4), dp_kernel_cases=300, dp_wrapper_cases=80, extra_tp=(3, 8)),
 }
 DEFAULT_PROFILE = "ci"
 

@@ -29,8 +29,10 @@ def _chunk(draw, rows: int) -> int:
 
 @st.composite
 def kernel_cases(draw, tp=st.sampled_from(TP_SIZES), dtype=st.sampled_from(("fp32", "bf16", "fp16")),
-                 masked: bool | None = None, entropy: bool = True, keep_mask: bool = True) -> KernelCase:
-    """Level-1 cases. `entropy`/`keep_mask` False restrict to what a target can do."""
+                 masked: bool | None = None, entropy: bool = True, keep_mask: bool = True,
+                 dp=st.just(1)) -> KernelCase:
+    """Level-1 cases. `entropy`/`keep_mask` False restrict to what a target can do; `dp`: the
+    data-parallel replicas around the TP group (drawn last, so DP 1 draws are unchanged)."""
     T = draw(st.one_of(st.sampled_from((1, 2, 3, 5, 7, 11, 13, 0)), st.integers(0, 24)))
     v_local = draw(st.one_of(st.sampled_from((4, 1, 2, 3, 5, 7, 13)), st.integers(1, 32)))
     mask_options = MASKS if masked is None else (MASKS[1:] if masked else MASKS[:1])
@@ -47,12 +49,13 @@ def kernel_cases(draw, tp=st.sampled_from(TP_SIZES), dtype=st.sampled_from(("fp3
         requires_grad=draw(st.sampled_from((True, False))),
         loss_terms=draw(st.sampled_from(LOSS_TERMS)) if with_entropy else "both",
         seed=draw(SEEDS),
+        dp=draw(dp),
     )
 
 
 @st.composite
 def wrapper_cases(draw, tp=st.sampled_from(TP_SIZES), top_p: bool | None = None,
-                  entropy: bool = True, keep_mask: bool = True) -> WrapperCase:
+                  entropy: bool = True, keep_mask: bool = True, dp=st.just(1)) -> WrapperCase:
     """Level-2 cases: packed batches of 1-4 samples with responses of 0..L-1 tokens."""
     n = draw(st.integers(1, 4))
     totals = tuple(draw(st.integers(1, 8)) for _ in range(n))
@@ -70,6 +73,7 @@ def wrapper_cases(draw, tp=st.sampled_from(TP_SIZES), top_p: bool | None = None,
         top_p=draw(st.sampled_from(top_p_options)),
         regime=draw(st.sampled_from(("normal", "peaked", "ties", "huge"))),
         seed=draw(SEEDS),
+        dp=draw(dp),
     )
 
 

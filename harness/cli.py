@@ -18,7 +18,8 @@ from cases.profiles import PROFILES
 from harness import mutate, options, perf_gate
 from harness.checks import listing
 from harness.engine import pool, torchrun
-from harness.engine.explorer import explore, run_corpus
+from harness.engine.explorer import explore, plan, run_corpus
+from harness.engine.limits import RunLimits
 from harness.engine.runner import Runner
 from harness.errors import HarnessError, UsageError
 from harness.findings import Finding
@@ -102,20 +103,31 @@ def cmd_check(ns: argparse.Namespace, cfg: RunConfig) -> int:
     profile = PROFILES[ns.profile]
     start = time.perf_counter()
     runner = Runner.for_run(cfg)
+    limits = RunLimits(1 if ns.exitfirst else ns.max_findings)
+    interrupted = 0
     try:
-        say(f"target {runner.target.spec}: levels {', '.join(runner.target.levels)}; TP {cfg.tp}; profile {profile.name}")
-        for feature, ok in sorted(runner.target.capabilities.items()):
-            if not ok:
-                say(f"target provides no {feature}: cases needing it are not drawn")
-        findings = run_corpus(runner, cfg.tp, say)
-        counts = {"kernel": profile.kernel_cases, "wrapper": profile.wrapper_cases}
-        for level in runner.target.levels:
-            n = counts[level] * len(cfg.tp)
-            say(f"{level}: {n} randomized cases over TP {cfg.tp}")
-            findings += explore(runner, level, cfg.tp, n, ns.seed, shrink=not ns.no_shrink, progress=say)
+        try:
+            say(f"target {runner.target.spec}: levels {', '.join(runner.target.levels)}; TP {cfg.tp}; profile {profile.name}")
+            for feature, ok in sorted(runner.target.capabilities.items()):
+                if not ok:
+                    say(f"target provides no {feature}: cases needing it are not drawn")
+            findings = run_corpus(runner, cfg.tp, say, limits=limits)
+            for level, tps, n, dp in plan(profile, runner.target.levels, cfg.tp, torchrun.active()):
+                if limits.reached():
+                    break
+                say(f"{level}: {n} randomized cases over TP {tps}" + (f" inside a world of DP {dp} replicas" if dp > 1 else ""))
+                findings += explore(runner, level, tps, n, ns.seed, shrink=not ns.no_shrink, progress=say,
+                                    limits=limits, dp=dp)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: report what was found so far
+            interrupted, findings = pool.interrupted_by() or signal.SIGINT, list(limits.found)
+        findings = limits.final(findings)  # a hang reported once
         result = result_json(runner, findings, time.perf_counter() - start,
-                             {"profile": profile.name, "seed": ns.seed, "tp": cfg.tp})
+                             {"profile": profile.name, "seed": ns.seed, "tp": cfg.tp,
+                              "skipped": dict(limits.skipped), "stopped_at_max_findings": limits.reached(),
+                              **({"interrupted": signal.Signals(interrupted).name} if interrupted else {})})
         for feature in CHECK_FEATURES:
+            if interrupted and feature is not render:
+                continue  # the report of what was found, not the gates that would run next
             result.update(known_json(runner))
             extra = runner.new_findings(feature.finish(ns, runner, result))
             findings += extra
@@ -124,10 +136,21 @@ def cmd_check(ns: argparse.Namespace, cfg: RunConfig) -> int:
         runner.close()
     elapsed = time.perf_counter() - start
     result["elapsed_s"] = round(elapsed, 3)
+    if interrupted:
+        if ns.json:
+            Path(ns.json).write_text(json.dumps(result, indent=1))
+        written = f"; written to {ns.json}" if ns.json else ""
+        print(f"harness: interrupted by {signal.Signals(interrupted).name} after {elapsed:.1f}s, "
+              f"{len(findings)} finding(s) so far{written}", file=sys.stderr)
+        return 128 + int(interrupted)
     print(summary_table(runner, findings))
     rate = runner.cases_run / runner.run_seconds if runner.run_seconds else 0.0
     print(f"\n{runner.cases_run} cases in {elapsed:.1f}s ({rate:.1f} cases/s excluding pool start-up), "
           f"{len(findings)} finding(s)")
+    for line in limits.summary():
+        print(line)
+    if limits.reached():
+        print(f"stopped after {len(limits.found)} finding(s) (--max-findings {limits.max_findings})")
     for f in findings:
         print(f"\nFINDING [{f.check}] ({f.level}) {f.case}\n  {f.message[:1500]}\n  repro: {f.repro}")
     if runner.known.path:
@@ -159,15 +182,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m harness", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="run the randomized conformance checks against a target")
-    options.add_argparse(check, ("target", "device", "collective_timeout", "tp", "profile", "seed", "known", "strict_known"))
+    options.add_argparse(check, ("target", "device", "collective_timeout", "case_timeout", "tp", "profile", "seed",
+                                 "known", "strict_known"))
     check.add_argument("--json", metavar="FILE", help="write the results as JSON")
     check.add_argument("--no-shrink", action="store_true", help="report failures without shrinking them")
     check.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    check.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first finding (as --max-findings 1)")
+    check.add_argument("--max-findings", type=options.positive_int, metavar="N", help="stop after N findings")
     for feature in CHECK_FEATURES:
         feature.add_arguments(check)
     check.set_defaults(func=cmd_check)
     repro = sub.add_parser("repro", help="re-run exactly one case (as printed in a finding)")
-    options.add_argparse(repro, ("target", "device", "collective_timeout"))
+    options.add_argparse(repro, ("target", "device", "collective_timeout", "case_timeout"))
     repro.add_argument("case", help="case spec, e.g. 'kernel:tp=2,T=5,v_local=4,...'")
     repro.set_defaults(func=cmd_repro)
     for command in SUBCOMMANDS:
@@ -181,17 +207,16 @@ def main(argv: list[str] | None = None, pools: dict | None = None) -> int:
     ns = parser.parse_args(argv)  # exits 2 on usage errors, with argparse's message
     cfg = RunConfig.from_options(vars(ns).get, pools)
     if threading.current_thread() is threading.main_thread():
-        # Ctrl-C must stop the run and its pools even when started with SIGINT ignored (as
-        # background jobs of a non-interactive shell are).
-        signal.signal(signal.SIGINT, pool.on_sigint)
+        pool.install_signal_handlers()  # Ctrl-C and SIGTERM stop the run and its pools
     try:
         return ns.func(ns, cfg)
     except HarnessError as e:
         print(f"harness: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("harness: interrupted", file=sys.stderr)
-        return 130
+        signum = pool.interrupted_by() or signal.SIGINT
+        print(f"harness: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + int(signum)
 
 
 if __name__ == "__main__":

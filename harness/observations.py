@@ -65,13 +65,17 @@ class Observation:
     traceback: str = ""
 
 
+HANG_KINDS = ("stuck", "timeout")  # a rank that never answered: blocked in a collective, or past the deadline
+
+
 @dataclass(slots=True)
 class RankResult:
     rank: int
     error: Optional[str] = None
-    error_kind: Optional[str] = None  # "exception", "timeout", "died", "mismatch"
+    error_kind: Optional[str] = None  # "exception", "timeout", "died", "stuck", "mismatch"
     trace: list[Event] = field(default_factory=list)
     obs: Observation = field(default_factory=Observation)
+    replica: int = 0  # the data-parallel replica whose TP group this rank is in (`rank` is the TP rank)
 
     @classmethod
     def from_exception(cls, rank: int, e: BaseException) -> "RankResult":

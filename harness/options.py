@@ -99,8 +99,10 @@ OPTIONS: dict[str, Option] = {o.dest: o for o in (
     Option("--target", "module (or mutant:NAME) under test", DEFAULT_TARGET),
     Option("--tp", "TP sizes, e.g. 1,2,4", [1, 2, 4], tp_list),
     Option("--device", "cpu: gloo pools, fork; cuda: NCCL pools, spawn", "cpu", choices=("cpu", "cuda")),
-    Option("--collective-timeout", "gloo/NCCL timeout of every collective, seconds; a case's deadline is "
-           "twice this plus 10 s", 20.0, positive_float, metavar="S"),
+    Option("--collective-timeout", "gloo/NCCL timeout of every collective, seconds: the backstop of a "
+           "stuck collective (stuck ranks are found sooner, by evidence)", 20.0, positive_float, metavar="S"),
+    Option("--case-timeout", "deadline of one case, seconds (default: 100 x the pool's median case time, "
+           "at least 10 s, at most twice the collective timeout plus 10 s)", None, positive_float, metavar="S"),
     Option("--profile", "how many randomized cases (smoke: seconds, ci: about a minute)", DEFAULT_PROFILE,
            choices=tuple(sorted(PROFILES))),
     Option("--seed", "seed of the randomized cases", 0, seed_value),
@@ -136,13 +138,17 @@ class RunConfig:
     collective_timeout_s: float = 20.0
     pools: dict | None = None
     known: str | None = None  # the --known file
+    case_timeout_s: float | None = None
 
     @classmethod
     def from_options(cls, get: Callable[[str], Any], pools: dict | None = None) -> "RunConfig":
         """From parsed options: `get(name)` is `vars(ns).get` or pytest's `config.getoption`; an
         option the command does not have (None) takes its default."""
         def value(name: str) -> Any:
-            got = get(name)
+            try:
+                got = get(name)
+            except ValueError:  # pytest's getoption, for an option this front end does not add
+                got = None
             return OPTIONS[name].default if got is None else got
         return cls(value("target"), list(value("tp")), value("device"), value("collective_timeout"), pools,
-                   value("known"))
+                   value("known"), value("case_timeout"))

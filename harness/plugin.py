@@ -23,7 +23,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     # The CLI's options, flags and validators; the profile defaults to the environment's (ci under
     # $CI, else dev) and the seed to Hypothesis's derandomized one.
     options.add_pytest(parser.getgroup("logprob-harness"),
-                       ("target", "tp", "device", "collective_timeout", "profile", "seed", "known", "strict_known"),
+                       ("target", "tp", "device", "collective_timeout", "case_timeout", "profile", "seed", "known",
+                        "strict_known"),
                        profile=None, seed=None)
 
 

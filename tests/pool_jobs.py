@@ -44,3 +44,39 @@ def memory_figures(ctx, case, target_spec: str) -> dict:
 
     result = run_on_rank(case, load_target(target_spec), ctx.rank, ctx.device)
     return {"error": result.error} if result.error else figures_of(result.obs.memory)
+
+
+def sleep_everywhere(ctx) -> int:
+    """Every rank hangs outside any collective (a target spinning forever)."""
+    time.sleep(3600)
+    return ctx.rank
+
+
+def cross_blocked(ctx) -> int:
+    """Every rank blocked, none returned: rank 0 waits in the TP group for rank 1, which waits in
+    the world group for rank 0 (two process groups: a real deadlock, not a mismatch gloo reports)."""
+    from megatron.core import parallel_state
+
+    t = torch.ones(1)
+    if ctx.rank == 0:
+        dist.all_reduce(t, group=parallel_state.get_tensor_model_parallel_group())
+    else:
+        dist.all_reduce(t)
+    return ctx.rank
+
+
+def layout(ctx) -> tuple[int, int, int, int, int]:
+    """(world rank, TP rank, DP rank, TP group size, world size), as parallel_state reports them."""
+    from megatron.core import parallel_state as mpu
+
+    return (ctx.rank, mpu.get_tensor_model_parallel_rank(), mpu.get_data_parallel_rank(),
+            dist.get_world_size(mpu.get_tensor_model_parallel_group()), dist.get_world_size())
+
+
+def tp_sum(ctx) -> float:
+    """An all-reduce over the TP group: each replica sums only its own ranks."""
+    from megatron.core import parallel_state as mpu
+
+    t = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(t, group=mpu.get_tensor_model_parallel_group())
+    return t.item()

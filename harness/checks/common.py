@@ -1,9 +1,10 @@
-"""Checks that hold at both contract levels: it runs, it runs on empty input, every rank issues the
-same collectives, and the caller's inputs survive."""
+"""Checks that hold at both contract levels: it runs, it returns, it runs on empty input, every
+rank issues the same collectives, and the caller's inputs survive."""
 from __future__ import annotations
 
 from harness.checks import Evidence, check
 from harness.meters.trace import fmt_event
+from harness.observations import HANG_KINDS
 
 
 def _errors(ev: Evidence) -> list[str]:
@@ -12,8 +13,16 @@ def _errors(ev: Evidence) -> list[str]:
 
 @check("crash", applies=lambda c, t: c.T > 0, needs=None)
 def crash(ev: Evidence) -> list[str]:
-    """Every rank returns without raising, dying or hanging."""
-    return _errors(ev)
+    """Every rank returns without raising or dying (a rank that never returns is `hang`'s)."""
+    return [f"rank {r.rank} {r.error_kind}: {r.error}" for r in ev.failed_ranks if r.error_kind not in HANG_KINDS]
+
+
+@check("hang", needs=None)
+def hang(ev: Evidence) -> list[str]:
+    """Every rank returns: none is left blocked in a collective its peers never joined (found by
+    evidence from the ranks' collective progress, long before the collective timeout), and none
+    outruns the case deadline."""
+    return [str(r.error) for r in ev.ranks if r.error_kind in HANG_KINDS]
 
 
 @check("empty-input", levels=("kernel",), applies=lambda c, t: c.T == 0, needs=None)

@@ -39,6 +39,18 @@ def tp_group() -> Any:
     return dist.group.WORLD
 
 
+def tp_coordinates() -> tuple[int, int]:
+    """(TP rank, DP replica) of this process, where production code finds them; (rank, 0) without
+    parallel_state (a world that is one TP group)."""
+    if not dist.is_initialized():
+        return 0, 0
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank()
+    return dist.get_rank(), 0
+
+
 @dataclass(frozen=True)
 class KernelShard:
     """A kernel case's inputs on one rank: the logits are a fresh leaf the caller owns."""

@@ -12,7 +12,7 @@ import torch
 
 import reference
 from cases.case import Case, KernelCase, WrapperCase
-from harness.engine.calls import KernelShard, shard, tp_group, weighted
+from harness.engine.calls import KernelShard, shard, tp_coordinates, tp_group, weighted
 from harness.meters import trace
 from harness.meters.memory import Meter
 from harness.observations import KernelPass, Observation, RankResult, TensorMeta
@@ -175,5 +175,10 @@ def run_on_rank(case: Case, target: Target, rank: int, device: torch.device) -> 
 
 
 def case_job(ctx: Any, case: Case, target_spec: str) -> RankResult:
-    """Worker-side entry (`pool.run(CASE_JOB, case, spec)`): the target resolves once per process."""
-    return run_on_rank(case, load_target(target_spec), ctx.rank, ctx.device)
+    """Worker-side entry (`pool.run(CASE_JOB, case, spec)`): the target resolves once per process.
+    In a world of several TP groups, each DP replica runs its own copy of the case on other data
+    (`Case.replica`); the driver evaluates replica 0's ranks, against the case's own oracle."""
+    tp_rank, replica = tp_coordinates()
+    result = run_on_rank(case.replica(replica), load_target(target_spec), tp_rank, ctx.device)
+    result.replica = replica
+    return result

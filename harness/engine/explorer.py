@@ -3,9 +3,13 @@ runner, and shrinks each newly failing check to a minimal case.
 
 One Hypothesis run stops at its first failure and shrinks it. To see past a first failing check,
 exploration goes in rounds: each round ignores the checks that already have a shrunk finding.
+
+`RunLimits` (optional) keeps a run from paying for a hang twice: cases of a hang's class are
+skipped once it is shrunk, shrinking a hang has a budget, and the run stops at `--max-findings`.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 
 from hypothesis import given
@@ -13,8 +17,10 @@ from hypothesis import seed as hyp_seed
 from hypothesis import strategies as st
 
 from cases.corpus import CORPUS
-from cases.profiles import explore_settings
+from cases.profiles import Profile, explore_settings
+from cases.case import Case
 from cases.strategies import LEVEL_STRATEGIES
+from harness.engine.limits import HANG_SHRINK_BUDGET_S, HANG_SHRINK_MAX_CASES, RunLimits, hung
 from harness.engine.runner import Runner
 from harness.findings import Finding
 
@@ -24,19 +30,20 @@ class _Stop(Exception):
 
 
 class _NewFailure(Exception):
-    def __init__(self, findings: list[Finding]):
+    def __init__(self, findings: list[Finding], case: Case):
         super().__init__(f"{len(findings)} finding(s)")
         self.findings = findings
+        self.case = case
 
 
-def strategy_for(runner: Runner, level: str, tps: Iterable[int]) -> st.SearchStrategy:
+def strategy_for(runner: Runner, level: str, tps: Iterable[int], dp: int = 1) -> st.SearchStrategy:
     t = runner.target
     return LEVEL_STRATEGIES[level](tp=st.sampled_from(tuple(tps)), entropy=t.supports("entropy"),
-                                   keep_mask=t.supports("keep_mask"))
+                                   keep_mask=t.supports("keep_mask"), dp=st.just(dp))
 
 
 def run_corpus(runner: Runner, tps: Iterable[int], progress: Callable[[str], None] = lambda s: None,
-               stop: Callable[[list[Finding]], bool] | None = None) -> list[Finding]:
+               stop: Callable[[list[Finding]], bool] | None = None, limits: RunLimits | None = None) -> list[Finding]:
     """The regression corpus, at the TP sizes asked for (cases at other sizes move to the largest);
     `stop` ends it early once the findings so far satisfy it."""
     tps = sorted(tps)
@@ -47,40 +54,64 @@ def run_corpus(runner: Runner, tps: Iterable[int], progress: Callable[[str], Non
             continue
         if case.tp not in tps:
             case = case.replace(tp=tps[-1])
-        _, fs = runner.check(case)
+        if limits is not None and not runner.has_run(case) and limits.skip(case, unshrunk=True):
+            progress(f"corpus {entry.name}: skipped ({limits.skip_reason(case, unshrunk=True)})")
+            continue
+        ev, fs = runner.check(case)
         findings += fs
+        if limits is not None:
+            limits.observe(ev)
+            limits.record(fs)
         progress(f"corpus {entry.name}: {'ok' if not fs else ', '.join(sorted({f.check for f in fs}))}")
-        if stop is not None and stop(findings):
+        if (stop is not None and stop(findings)) or (limits is not None and limits.reached()):
             break
     return findings
 
 
 def explore(runner: Runner, level: str, tps: Iterable[int], max_examples: int, seed: int,
             shrink: bool = True, progress: Callable[[str], None] = lambda s: None,
-            stop: Callable[[list[Finding]], bool] | None = None) -> list[Finding]:
-    """Random cases of one level; returns one finding per (newly) failing check, shrunk when asked.
-    Without shrinking, every finding of every case is returned; `stop` ends the search early once
-    the findings so far satisfy it."""
-    strategy = strategy_for(runner, level, tps)
+            stop: Callable[[list[Finding]], bool] | None = None, limits: RunLimits | None = None,
+            dp: int = 1) -> list[Finding]:
+    """Random cases of one level (TP groups in a world of `dp` replicas); returns one finding per
+    (newly) failing check, shrunk when asked. Without shrinking, every finding of every case is
+    returned; `stop` ends the search early once the findings so far satisfy it."""
+    strategy = strategy_for(runner, level, tps, dp)
+    label = level if dp == 1 else f"{level} (DP {dp})"
     known: set[str] = set()
     out: list[Finding] = []
     for round_ in range(len(runner.checks) + 1):
         collected: list[Finding] = []
         count = [0]
+        hang_shrink = {"on": False, "seconds": 0.0, "cases": 0}
 
         @hyp_seed(seed * 1000 + round_)
         @explore_settings(max_examples, shrink)
         @given(strategy)
         def probe(case):
-            _, findings = runner.check(case)
+            if limits is not None and not runner.has_run(case):
+                if hang_shrink["on"] and (hang_shrink["seconds"] >= HANG_SHRINK_BUDGET_S
+                                          or hang_shrink["cases"] >= HANG_SHRINK_MAX_CASES):
+                    return  # shrinking budget spent: the smallest hanging case so far is the finding
+                if limits.skip(case):
+                    return
+            start = time.perf_counter()
+            ev, findings = runner.check(case)
             count[0] += 1
             if count[0] % 25 == 0:
-                progress(f"{level}: {count[0]} cases")
+                progress(f"{label}: {count[0]} cases")
+            if limits is not None:
+                limits.observe(ev)
+                if hang_shrink["on"] and hung(ev):
+                    hang_shrink["seconds"] += time.perf_counter() - start
+                    hang_shrink["cases"] += 1
             new = [f for f in findings if f.check not in known]
             if new and shrink:
-                raise _NewFailure(new)
+                hang_shrink["on"] = hang_shrink["on"] or hung(ev)
+                raise _NewFailure(new, case)
             collected.extend(new)
-            if stop is not None and stop(collected):
+            if limits is not None:
+                limits.record(new)
+            if (stop is not None and stop(collected)) or (limits is not None and limits.reached()):
                 raise _Stop
 
         try:
@@ -92,8 +123,29 @@ def explore(runner: Runner, level: str, tps: Iterable[int], max_examples: int, s
                 f.shrunk = True
                 known.add(f.check)
                 out.append(f)
-                progress(f"{level}: {f.check} fails; shrunk to {f.case}")
+                progress(f"{label}: {f.check} fails; shrunk to {f.case}")
+            if limits is not None:
+                limits.record(failure.findings)
+                if any(f.check == "hang" for f in failure.findings):
+                    limits.confirm_hang(failure.findings[0], failure.case)
+                if limits.reached():
+                    break
             continue
         out.extend(collected)
         break
     return out
+
+
+def plan(profile: Profile, levels: Iterable[str], tps: list[int], launched: bool = False
+         ) -> list[tuple[str, list[int], int, int]]:
+    """What `harness check` explores: (level, TP sizes, cases, DP) per step. Every TP size asked
+    for (plus the profile's extra ones, except under a launcher, whose world is fixed) at DP 1;
+    then the profile's DP sizes, TP groups inside a world of 2 replicas."""
+    sizes = sorted(set(tps) | (set() if launched else set(profile.extra_tp)))
+    counts = {"kernel": profile.kernel_cases, "wrapper": profile.wrapper_cases}
+    dp_counts = {"kernel": profile.dp_kernel_cases, "wrapper": profile.dp_wrapper_cases}
+    dp_sizes = [] if launched else [tp for tp in sizes if tp in profile.dp_tp]
+    steps = [(level, sizes, counts[level] * len(sizes), 1) for level in levels]
+    if dp_sizes:
+        steps += [(level, dp_sizes, dp_counts[level] * len(dp_sizes), 2) for level in levels if dp_counts[level]]
+    return steps

@@ -1,11 +1,20 @@
-"""Persistent tensor-parallel worker pools: one per TP size, started once, reused for every case.
+"""Persistent tensor-parallel worker pools: one per (TP size, DP size), started once, reused for every case.
 
 Each rank joins a real `torch.distributed` group (gloo on CPU, NCCL on CUDA) with a collective
-timeout, and initialises megatron-core's `parallel_state` with TP = the pool size, so wrappers find
-their group where production code looks. The main process sends each job to every rank and waits
-with a deadline; a rank that dies or does not answer becomes an error result naming it, and the
-pool is torn down and rebuilt. Workers die with the main process (PR_SET_PDEATHSIG) and are
-terminated at exit, so no process outlives the run.
+timeout, and initialises megatron-core's `parallel_state` with the pool's TP size, so wrappers find
+their group where production code looks. A pool's world is TP x DP: with DP > 1 the TP groups are
+subgroups of the world, as in training (rank g is TP rank g % TP of DP replica g // TP). The main
+process sends each job to every rank and waits with a deadline; a rank that dies or does not
+answer becomes an error result naming it, and the pool is torn down and rebuilt.
+
+Stuck ranks are found by evidence, not by waiting for the collective timeout: every worker
+publishes its collective progress to a shared `ProgressBoard`; once every rank still running is
+blocked in a collective and nothing has moved for a grace period scaled to what this pool's jobs
+cost, those ranks are declared stuck, named with the collective each was blocked in. The case
+deadline scales the same way (`case_deadline`); the gloo/NCCL timeout stays as the backstop.
+
+Workers die with the main process (PR_SET_PDEATHSIG) and are terminated at exit, so no process
+outlives the run.
 """
 from __future__ import annotations
 
@@ -15,10 +24,13 @@ import importlib
 import os
 import shutil
 import signal
+import statistics
+import sys
 import tempfile
 import time
 import traceback
 import warnings
+from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -27,17 +39,32 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from harness.engine.progress import ProgressBoard
 from harness.errors import PoolStartError
-from harness.observations import RankResult
+from harness.meters.trace import fmt_event
+from harness.observations import HANG_KINDS, RankResult
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 20.0
 STARTUP_TIMEOUT_S = 120.0
 RAISED_GRACE_S = 2.0
+# Stuck detection: a rank blocked in a collective while its peers have returned is stuck once
+# nothing has moved for max(STUCK_FLOOR_S, STUCK_COST_FACTOR x the median job time); with every
+# rank blocked (none returned) the bar is higher, a slow collective being the innocent explanation.
+STUCK_FLOOR_S = 0.5
+STUCK_COST_FACTOR = 20
+ALL_BLOCKED_FLOOR_S = 3.0
+ALL_BLOCKED_COST_FACTOR = 50
+POLL_S = 0.05
+# Case deadline once the pool has measured MIN_MEASURED jobs: max(CASE_FLOOR_S, CASE_COST_FACTOR x
+# the median), never above the backstop (twice the collective timeout plus 10 s).
+MIN_MEASURED = 3
+CASE_FLOOR_S = 10.0
+CASE_COST_FACTOR = 100
 
 
 @dataclass(frozen=True)
 class RankContext:
-    rank: int
+    rank: int  # the rank in the pool's world
     world: int
     device: torch.device
 
@@ -57,15 +84,17 @@ def resolve(path: str) -> Any:
 
 
 def _worker_main(rank: int, world: int, store_dir: str, conn: Connection, backend: str,
-                 timeout_s: float, parent_pid: int) -> None:
+                 timeout_s: float, parent_pid: int, tp: int, board: ProgressBoard) -> None:
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process owns shutdown
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the driver's handler, inherited by fork
     torch.set_num_threads(1)
     import torch.distributed as dist
 
     from harness.meters import trace
 
     trace.install()  # before any target import, so early-bound names are traced too
+    board.attach(rank)
     device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -76,9 +105,13 @@ def _worker_main(rank: int, world: int, store_dir: str, conn: Connection, backen
 
         # megatron-core gives its groups their own timeout (30 minutes by default): pass ours on,
         # or a collective on the TP group could outwait every deadline.
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world,
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                                  distributed_timeout_minutes=timeout_s / 60.0,
                                                  create_gloo_process_groups=False)
+        coords = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank())
+        if coords != (rank % tp, rank // tp):  # the layout the driver assumes to name ranks
+            raise RuntimeError(f"rank {rank}: megatron-core placed it at (TP rank, DP rank) {coords}, "
+                               f"expected {(rank % tp, rank // tp)}")
     except Exception:
         conn.send(("failed", traceback.format_exc(limit=4)))
         return
@@ -105,16 +138,50 @@ def _worker_main(rank: int, world: int, store_dir: str, conn: Connection, backen
 
 
 class WorkerPool:
-    def __init__(self, tp: int, device: str = "cpu", collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S):
+    def __init__(self, tp: int, device: str = "cpu", collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+                 dp: int = 1, case_timeout_s: float | None = None):
+        """`dp`: data-parallel replicas, each a TP group of `tp` ranks (world = tp x dp).
+        `case_timeout_s`: a fixed deadline per job; None scales it with the measured job cost."""
         self.tp = tp
+        self.dp = dp
+        self.world = tp * dp
         self.backend = "nccl" if device == "cuda" else "gloo"
         self.start_method = "spawn" if device == "cuda" else "fork"
         self.collective_timeout_s = collective_timeout_s
+        self.case_timeout_s = case_timeout_s
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
         self.store_dir: str | None = None
+        self.board: ProgressBoard | None = None
         self.restarts = 0
+        self.job_seconds: deque[float] = deque(maxlen=101)  # jobs every rank answered; survives restarts
+        self.stuck_events = 0
         self.start()
+
+    @property
+    def median_job_s(self) -> float | None:
+        return statistics.median(self.job_seconds) if len(self.job_seconds) >= MIN_MEASURED else None
+
+    def stuck_grace(self, some_answered: bool) -> float:
+        """How long nothing may move, every running rank blocked in a collective, before those ranks are stuck."""
+        median = self.median_job_s or 0.0
+        if some_answered:
+            return max(STUCK_FLOOR_S, STUCK_COST_FACTOR * median)
+        return max(ALL_BLOCKED_FLOOR_S, ALL_BLOCKED_COST_FACTOR * median)
+
+    def case_deadline(self) -> float:
+        """The deadline of one job: `case_timeout_s` if set; else scaled to the measured job cost,
+        with a floor for legitimately slow targets; the backstop while nothing is measured."""
+        if self.case_timeout_s is not None:
+            return self.case_timeout_s
+        backstop = self.collective_timeout_s * 2 + 10
+        median = self.median_job_s
+        if median is None:
+            return backstop
+        return min(backstop, max(CASE_FLOOR_S, CASE_COST_FACTOR * median))
+
+    def name(self, r: int) -> str:
+        return f"rank {r}" if self.dp == 1 else f"rank {r} (TP rank {r % self.tp} of DP replica {r // self.tp})"
 
     def start(self) -> None:
         if self.start_method == "fork":
@@ -124,37 +191,63 @@ class WorkerPool:
                 warnings.simplefilter("ignore")
                 import megatron.core.parallel_state  # noqa: F401
         ctx = mp.get_context(self.start_method)
-        self.store_dir = tempfile.mkdtemp(prefix=f"harness-tp{self.tp}-")
-        for rank in range(self.tp):
+        label = f"tp{self.tp}" + (f"dp{self.dp}" if self.dp > 1 else "")
+        self.store_dir = tempfile.mkdtemp(prefix=f"harness-{label}-")
+        self.board = ProgressBoard(ctx, self.world)
+        for rank in range(self.world):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, name=f"harness-tp{self.tp}-rank{rank}", daemon=True,
-                            args=(rank, self.tp, self.store_dir, child, self.backend,
-                                  self.collective_timeout_s, os.getpid()))
+            p = ctx.Process(target=_worker_main, name=f"harness-{label}-rank{rank}", daemon=True,
+                            args=(rank, self.world, self.store_dir, child, self.backend,
+                                  self.collective_timeout_s, os.getpid(), self.tp, self.board))
             p.start()
             child.close()
             self.procs.append(p)
             self.conns.append(parent)
         _LIVE.add(self)
-        replies = self._gather(time.monotonic() + STARTUP_TIMEOUT_S)
+        replies = self._gather(time.monotonic() + STARTUP_TIMEOUT_S, watch=False)
         bad = [f"rank {r}: {m.error}" for r, m in enumerate(replies) if isinstance(m, RankResult) and m.error]
         bad += [f"rank {r}: {m[1]}" for r, m in enumerate(replies) if isinstance(m, tuple) and m[0] != "ready"]
         if bad:
             self.close()
-            raise PoolStartError(f"TP {self.tp} pool failed to start: " + "; ".join(bad))
+            size = f"TP {self.tp}" + (f" x DP {self.dp}" if self.dp > 1 else "")
+            raise PoolStartError(f"{size} pool failed to start: " + "; ".join(bad))
 
-    def _gather(self, deadline: float) -> list[Any]:
-        """One reply per rank, or a RankResult naming why that rank gave none. Once a rank has
-        raised, the others get RAISED_GRACE_S more: a rank left waiting in a collective its peer
-        never issued would otherwise hold the case until the collective timeout."""
+    def _result(self, r: int, error: str, kind: str, trace: list | None = None) -> RankResult:
+        """The pool's own result for world rank r, which gave no answer of its own."""
+        return RankResult(r % self.tp, error=error, error_kind=kind, trace=list(trace or []), replica=r // self.tp)
+
+    def _stuck(self, pending: list[int], replies: dict[int, Any], still_s: float) -> dict[int, RankResult]:
+        """The results of ranks found stuck, each naming the collective it was blocked in."""
+        assert self.board is not None
+        answered = sorted(replies)
+        why = (f"{', '.join(self.name(r) for r in answered)} had returned" if answered
+               else "every rank was blocked in a collective")
+        out = {}
+        for r in pending:
+            p = self.board.read(r)
+            where = fmt_event(p.last) if p.last else "a collective"
+            out[r] = self._result(r, f"{self.name(r)} stuck in {where}, the collective #{p.entered} it entered in "
+                                     f"this case: nothing moved for {still_s:.1f}s while {why}", "stuck",
+                                  p.trace or [])
+        return out
+
+    def _gather(self, deadline: float, watch: bool = True) -> list[Any]:
+        """One reply per rank, or a RankResult naming why that rank gave none. `watch`: read the
+        progress board and end the job as soon as the ranks still running are stuck. Once a rank
+        has raised, the others get RAISED_GRACE_S more: a rank left waiting in a collective its
+        peer never issued would otherwise hold the case until the collective timeout."""
         replies: dict[int, Any] = {}
         raised_at: float | None = None
         pending = {c: r for r, c in enumerate(self.conns)}
         sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
+        board = self.board if watch else None
+        signature, moved_at = None, time.monotonic()
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            ready = wait([*pending, *(s for s, r in sentinels.items() if r not in replies)], timeout=left)
+            ready = wait([*pending, *(s for s, r in sentinels.items() if r not in replies)],
+                         timeout=min(left, POLL_S) if board is not None else left)
             for obj in ready:
                 if obj in pending:
                     r = pending.pop(obj)
@@ -174,31 +267,48 @@ class WorkerPool:
                     sentinels.pop(obj)
                     self.procs[r].join(1.0)  # reap it, so the exit code is known
                     code = self.procs[r].exitcode
-                    replies[r] = RankResult(r, error=f"rank {r} died (exit code {code})", error_kind="died")
-        for r in range(self.tp):
+                    replies[r] = self._result(r, f"{self.name(r)} died (exit code {code})", "died")
+            if board is not None and pending:
+                now = time.monotonic()
+                running = sorted(pending.values())
+                state = (len(replies), tuple(board.signature(r) for r in running))
+                if state != signature:
+                    signature, moved_at = state, now
+                elif (all(board.inside[r] for r in running)
+                      and now - moved_at >= self.stuck_grace(some_answered=bool(replies))):
+                    replies.update(self._stuck(running, replies, now - moved_at))
+                    self.stuck_events += 1
+                    break
+        for r in range(self.world):
             if r not in replies:
                 why = (f"still running {RAISED_GRACE_S:.0f}s after another rank raised (blocked in a collective?)"
                        if raised_at is not None else "gave no answer within the deadline (hung)")
-                replies[r] = RankResult(r, error=f"rank {r} {why}", error_kind="timeout")
-        return [replies[r] for r in range(self.tp)]
+                trace = board.read(r).trace if board is not None else None
+                replies[r] = self._result(r, f"{self.name(r)} {why}", "timeout", trace)
+        return [replies[r] for r in range(self.world)]
 
     def call(self, fn_path: str, args_per_rank: list[tuple], deadline_s: float) -> list[Any]:
         """Run `fn_path(ctx, *args)` on every rank; rebuild the pool if any rank failed to answer."""
         if _interrupted:
             raise KeyboardInterrupt  # the first one was swallowed (e.g. raised inside a finalizer)
+        if self.board is not None:
+            self.board.reset()
+        start = time.monotonic()
         for conn, args in zip(self.conns, args_per_rank):
             try:
                 conn.send((fn_path, args))
             except (BrokenPipeError, OSError):
                 pass  # the rank is gone; _gather reports it
-        replies = self._gather(time.monotonic() + deadline_s)
-        if any(isinstance(r, RankResult) and r.error_kind in ("timeout", "died") for r in replies):
+        replies = self._gather(start + deadline_s)
+        if any(isinstance(r, RankResult) and r.error_kind in (*HANG_KINDS, "died") for r in replies):
             self.restart()
+        else:
+            self.job_seconds.append(time.monotonic() - start)
         return replies
 
     def run(self, fn_path: str, *args: Any, deadline_s: float | None = None) -> list[Any]:
-        deadline = deadline_s if deadline_s is not None else self.collective_timeout_s * 2 + 10
-        return self.call(fn_path, [args] * self.tp, deadline)
+        deadline = deadline_s if deadline_s is not None else self.case_deadline()
+        return self.call(fn_path, [args] * self.world, deadline)
 
     def restart(self) -> None:
         self.close()
@@ -236,19 +346,36 @@ def close_all() -> None:
         pool.close()
 
 
-_interrupted = False
+_interrupted = 0  # the signal that interrupted the run; 0: none
 
 
 def on_sigint(signum: int, frame: Any) -> None:
-    """Ctrl-C: raise KeyboardInterrupt now, and again at the next job should this one be swallowed."""
+    """Ctrl-C, or SIGTERM (a CI runner cancelling): raise KeyboardInterrupt now, and again at the
+    next job should this one be swallowed. Both end the run the same way; `interrupted_by` says which."""
     global _interrupted
-    _interrupted = True
+    _interrupted = signum
     raise KeyboardInterrupt
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)  # unwinds through atexit, which closes the pools
+def interrupted_by() -> int:
+    return _interrupted
+
+
+def install_signal_handlers() -> None:
+    """In the main thread of the driver: SIGINT and SIGTERM stop the run and its pools (even when
+    started with SIGINT ignored, as background jobs of a non-interactive shell are)."""
+    signal.signal(signal.SIGINT, on_sigint)
+    signal.signal(signal.SIGTERM, on_sigint)
+    sys.unraisablehook = _quiet_when_interrupted
+
+
+def _quiet_when_interrupted(unraisable: Any, default: Any = sys.unraisablehook) -> None:
+    """A KeyboardInterrupt raised inside a finalizer or a gc callback is swallowed by Python with an
+    "Exception ignored" traceback; the next job raises it again, so the traceback is noise."""
+    if _interrupted and isinstance(unraisable.exc_value, KeyboardInterrupt):
+        return
+    default(unraisable)
 
 
 if hasattr(signal, "SIGTERM") and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, on_sigint)  # unwinds through the finally blocks and atexit, which close the pools

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 from cases.capabilities import fit
 from cases.case import Case
@@ -16,12 +17,28 @@ from harness.engine.executor import CASE_JOB
 from harness.engine.pool import WorkerPool
 from harness.findings import Finding, repro_command
 from harness.known import KnownFindings, load as load_known
-from harness.observations import RankResult
+from harness.observations import HANG_KINDS, RankResult
 from harness.options import RunConfig
 from harness.targets import Target, load_target
 
 CACHE_SIZE = 4096
 KNOWN_KEPT = 200  # known findings kept for the report; every match is counted on its entry
+
+
+def replica_zero(results: list[RankResult]) -> list[RankResult]:
+    """The results of DP replica 0's TP group, in TP-rank order: what the checks evaluate against
+    the case's oracle (the other replicas ran other data, so that cross-talk corrupts replica 0).
+    A rank of another replica left stuck, timed out or dead is reported on replica 0's rank of the
+    same TP rank when that one has no error of its own: a hang anywhere is the case's hang."""
+    if all(r.replica == 0 for r in results):
+        return results
+    zero = sorted((r for r in results if r.replica == 0), key=lambda r: r.rank)
+    for other in results:
+        if other.replica and other.error_kind in (*HANG_KINDS, "died"):
+            mine = zero[other.rank]
+            if not mine.error:
+                mine.error, mine.error_kind = other.error, other.error_kind
+    return zero
 
 
 def _needs_rebuild(results: list[RankResult]) -> bool:
@@ -46,11 +63,14 @@ class Runner:
     """Owns one persistent pool per TP size for one target; reusable for any number of cases."""
 
     def __init__(self, target_spec: str, device: str = "cpu", collective_timeout_s: float = 20.0,
-                 checks: dict[str, Check] | None = None, pools: dict[int, WorkerPool] | None = None):
-        """`pools`: pools to share with other runners (a test session's); None: own ones, closed by `close`."""
+                 checks: dict[str, Check] | None = None, pools: dict[Any, WorkerPool] | None = None,
+                 case_timeout_s: float | None = None):
+        """`pools`: pools to share with other runners (a test session's); None: own ones, closed by `close`.
+        `case_timeout_s`: fixed case deadline for the pools this runner starts (None: scaled to their cost)."""
         self.target: Target = load_target(target_spec)
         self.device = device
         self.collective_timeout_s = collective_timeout_s
+        self.case_timeout_s = case_timeout_s
         self.checks = checks if checks is not None else all_checks()
         self.pools: dict[int, WorkerPool] = pools if pools is not None else {}
         self._owns_pools = pools is None
@@ -63,7 +83,8 @@ class Runner:
 
     @classmethod
     def for_run(cls, cfg: RunConfig, target: str | None = None) -> "Runner":
-        runner = cls(target or cfg.target, cfg.device, cfg.collective_timeout_s, pools=cfg.pools)
+        runner = cls(target or cfg.target, cfg.device, cfg.collective_timeout_s, pools=cfg.pools,
+                     case_timeout_s=cfg.case_timeout_s)
         if cfg.known:
             runner.known = load_known(cfg.known)
         return runner
@@ -81,11 +102,14 @@ class Runner:
                 self.known_findings.append(f)
         return new
 
-    def pool(self, tp: int) -> WorkerPool:
-        if tp not in self.pools:
+    def pool(self, tp: int, dp: int = 1) -> WorkerPool:
+        """The pool of TP-`tp` groups, `dp` of them in one world (keyed `tp`, or `(tp, dp)` for DP > 1)."""
+        key: Any = tp if dp == 1 else (tp, dp)
+        if key not in self.pools:
             shared = torchrun.pool(tp)  # under torchrun: the launched ranks instead of a pool of our own
-            self.pools[tp] = shared if shared is not None else WorkerPool(tp, self.device, self.collective_timeout_s)
-        return self.pools[tp]
+            self.pools[key] = shared if shared is not None else WorkerPool(
+                tp, self.device, self.collective_timeout_s, dp=dp, case_timeout_s=self.case_timeout_s)
+        return self.pools[key]
 
     def fit(self, case: Case) -> Case:
         """The case as this target can take it (its declared capabilities: `cases.capabilities`)."""
@@ -98,9 +122,9 @@ class Runner:
         if case in self._cache:
             self._cache.move_to_end(case)
             return self._cache[case]
-        pool = self.pool(case.tp)
+        pool = self.pool(case.tp, case.dp)
         start = time.perf_counter()
-        results = pool.run(CASE_JOB, case, self.target.spec)
+        results = replica_zero(pool.run(CASE_JOB, case, self.target.spec))
         self.run_seconds += time.perf_counter() - start
         self.cases_run += 1
         if _needs_rebuild(results) and pool.procs:
@@ -109,6 +133,10 @@ class Runner:
         if len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)
         return ev
+
+    def has_run(self, case: Case) -> bool:
+        """Whether `run(case)` would be answered from the cache (costs nothing)."""
+        return case in self._cache
 
     def executed(self) -> list[Evidence]:
         """The evidence of the cases run so far (the CACHE_SIZE most recently used), for summaries."""

@@ -1,8 +1,13 @@
-"""Under torchrun, the launched ranks are the TP group, in place of the harness's own pools.
+"""Under torchrun, the launched ranks serve the TP cases, in place of the harness's own pools.
 
 `torchrun --nproc_per_node 8 -m harness check --tp 8` (or `... -m pytest --pyargs harness.conformance
---tp 8`) starts the command once per rank. Every rank joins the env:// rendezvous and initialises
-megatron-core's parallel_state with TP = the world size (NCCL on CUDA, else gloo). Then:
+--tp 8`) starts the command once per rank; on several nodes, `torchrun --nnodes N --nproc_per_node G
+--rdzv-backend c10d --rdzv-endpoint HOST:PORT -m harness check --tp T`. Every rank joins the env://
+rendezvous and initialises megatron-core's parallel_state with TP = `--tp`, which must divide the
+world size: the world is DP = world / TP replicas of the TP group, as in training (TP groups are
+contiguous ranks, so TP = GPUs per node keeps each group within a node). Every replica runs each
+case, on its own data (`Case.replica`); the checks evaluate replica 0 against the oracle, so a
+routine that reduces over the wrong group gives a wrong answer. Then:
 
 - rank 0 is the driver: it runs the command as usual (draws cases, evaluates the checks against
   the oracle, prints the report). Its runner gets the `LaunchedPool`, whose `run` sends each job to
@@ -52,12 +57,15 @@ def world_size() -> int:
     return int(os.environ["WORLD_SIZE"])
 
 
-def check_sizes(tp_sizes: list[int]) -> None:
+def check_sizes(tp_sizes: list[int]) -> int:
+    """The one TP size of a launched run: it must divide the world size. Returns it."""
     world = world_size()
-    if list(tp_sizes) != [world]:
+    if len(tp_sizes) != 1 or world % tp_sizes[0]:
         asked = ",".join(map(str, tp_sizes))
-        raise LaunchError(f"torchrun launched {world} ranks, and they form one TP group: "
-                          f"pass --tp {world} (got --tp {asked})")
+        divisors = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
+        raise LaunchError(f"torchrun launched {world} ranks: pass one TP size that divides it "
+                          f"(--tp {world} for one TP group; one of {divisors}) (got --tp {asked})")
+    return tp_sizes[0]
 
 
 def _call(ctx: RankContext, fn_path: str, args: tuple) -> Any:
@@ -70,10 +78,12 @@ def _call(ctx: RankContext, fn_path: str, args: tuple) -> Any:
 class LaunchedPool:
     """The launched ranks behind WorkerPool's interface (`run`, `procs`, `restart`, `close`)."""
 
-    def __init__(self, device: str, collective_timeout_s: float):
+    def __init__(self, device: str, collective_timeout_s: float, tp: int | None = None):
         if device == "cuda" and not torch.cuda.is_available():
             raise LaunchError("--device cuda, but CUDA is not available on this node")
-        self.tp = world_size()
+        self.world = world_size()
+        self.tp = tp or self.world
+        self.dp = self.world // self.tp
         self.collective_timeout_s = collective_timeout_s
         self.restarts = 0
         cuda = torch.cuda.is_available()
@@ -85,8 +95,8 @@ class LaunchedPool:
             dist.init_process_group("nccl" if cuda else "gloo", init_method="env://",
                                     timeout=timedelta(seconds=collective_timeout_s))
         self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-        self.ctx = RankContext(dist.get_rank(), self.tp, local)
-        self.procs = list(range(self.tp))  # the launched ranks; the launcher owns their processes
+        self.ctx = RankContext(dist.get_rank(), self.world, local)
+        self.procs = list(range(self.world))  # the launched ranks; the launcher owns their processes
         self._init_tp()
 
     def _init_tp(self) -> None:
@@ -108,7 +118,7 @@ class LaunchedPool:
         """`fn_path(ctx, *args)` on every launched rank (the driver included), results in rank order.
         `deadline_s` is not enforced: the TP groups' collective timeout bounds a stuck collective."""
         self._send(("job", fn_path, args))
-        results: list[Any] = [None] * self.tp
+        results: list[Any] = [None] * self.world
         dist.gather_object(_call(self.ctx, fn_path, args), results, dst=0, group=self.control)
         return results
 
@@ -152,10 +162,10 @@ _POOL: LaunchedPool | None = None
 
 
 def start(tp_sizes: list[int], device: str, collective_timeout_s: float) -> LaunchedPool:
-    """Join the launched world (on every rank); `tp_sizes` must be exactly the world size."""
+    """Join the launched world (on every rank); `tp_sizes` must be one size dividing the world size."""
     global _POOL
-    check_sizes(tp_sizes)
-    _POOL = LaunchedPool(device, collective_timeout_s)
+    tp = check_sizes(tp_sizes)
+    _POOL = LaunchedPool(device, collective_timeout_s, tp)
     return _POOL
 
 
@@ -175,7 +185,8 @@ def pool(tp: int) -> LaunchedPool | WorkerPool | None:
         return None
     if tp == 1 and _POOL.tp > 1:
         return _SpawnedPool(1, _POOL.ctx.device.type, _POOL.collective_timeout_s)
-    check_sizes([tp])
+    if tp != _POOL.tp:
+        raise LaunchError(f"this launched world serves TP {_POOL.tp} cases (x DP {_POOL.dp}), not TP {tp}")
     return _POOL
 
 

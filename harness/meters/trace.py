@@ -23,6 +23,11 @@ Event = tuple[str, int, tuple[int, ...], str]  # op, group size, shape, dtype
 
 _events: list[Event] | None = None
 _installed = False
+# Told of every traced call, before it and after it returns or raises: (event, in the outermost
+# recording) then (). The worker pools publish progress through it, so the driver can see which
+# collective a rank is blocked in while that rank cannot answer.
+_observer: tuple[Callable[[Event, bool], None], Callable[[], None]] | None = None
+_depth = 0
 
 
 def _describe(op: str, args: tuple, kwargs: dict) -> Event:
@@ -40,10 +45,20 @@ def _describe(op: str, args: tuple, kwargs: dict) -> Event:
 def _wrap(op: str, fn: Callable) -> Callable:
     @functools.wraps(fn)
     def traced(*args: Any, **kwargs: Any):
+        observer = _observer
+        if _events is None and observer is None:
+            return fn(*args, **kwargs)
+        # Recorded before the call: a rank that hangs inside still shows what it issued.
+        event = _describe(op, args, kwargs)
         if _events is not None:
-            # Recorded before the call: a rank that hangs inside still shows what it issued.
-            _events.append(_describe(op, args, kwargs))
-        return fn(*args, **kwargs)
+            _events.append(event)
+        if observer is None:
+            return fn(*args, **kwargs)
+        observer[0](event, _depth == 1)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            observer[1]()
 
     traced.__harness_traced__ = True
     return traced
@@ -66,15 +81,23 @@ def install() -> None:
     _installed = True
 
 
+def observe(before: Callable[[Event, bool], None] | None, after: Callable[[], None] | None = None) -> None:
+    """Install (or, with None, remove) the observer of every traced call."""
+    global _observer
+    _observer = None if before is None else (before, after or (lambda: None))
+
+
 @contextlib.contextmanager
 def recording() -> Iterator[list[Event]]:
-    global _events
+    global _events, _depth
     outer, events = _events, []
     _events = events
+    _depth += 1
     try:
         yield events
     finally:
         _events = outer  # nested recordings keep their calls out of the outer trace
+        _depth -= 1
 
 
 def count() -> int:

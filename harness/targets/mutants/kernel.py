@@ -135,3 +135,30 @@ class EntropyNanAtNegInf(Fused):
     def entropy(self, x, e, m, s, group):
         t = self.all_reduce((e * (x - m.unsqueeze(-1))).sum(dim=-1), dist.ReduceOp.SUM, group, "entropy_term")
         return torch.log(s) - t / s
+
+
+@mutant("extra-allreduce-rank0-metric-only", "one more collective on rank 0 when the entropy is metric-only",
+        ("hang", "collectives"), "slime #1822 (metric-only entropy left collectives unmatched: comm stuck)",
+        tp=TP_ONLY)
+class ExtraAllReduceRank0MetricOnly(Fused):
+    def calculate_log_probs_and_entropy(self, logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
+                                        log_prob_keep_mask=None, with_entropy_grad=True):
+        out = super().calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy, chunk_size,
+                                                      log_prob_keep_mask, with_entropy_grad)
+        needs_grad = bool(logits.requires_grad and torch.is_grad_enabled())
+        metric_only = with_entropy and not self.entropy_differentiable(with_entropy, with_entropy_grad, needs_grad)
+        group, world, rank = self.group_info(tp_group)
+        if metric_only and world > 1 and rank == 0:
+            # Rank 0 alone reduces a metric its peers never reduce: rank 1 returns, rank 0 waits.
+            self.all_reduce(torch.zeros(1), dist.ReduceOp.SUM, group, "entropy_term")
+        return out
+
+
+@mutant("world-group-reduce", "reduction over the default (world) group instead of the TP group", ("values",),
+        "a routine that ignores tp_group passes wherever the world is one TP group", tp=TP_ONLY)
+class WorldGroupReduce(Fused):
+    def all_reduce(self, tensor, op, group, stat):
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+            return tensor
+        dist.all_reduce(tensor, op=op)  # no group: every rank of the world, other DP replicas included
+        return tensor

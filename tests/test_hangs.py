@@ -1,0 +1,207 @@
+"""Hangs found in seconds by evidence, not by the collective timeout; a known hang is not re-hunted;
+cancellation (SIGTERM) ends a run like Ctrl-C. Every wait here is bounded."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cases.case import KernelCase
+from harness import cli
+from harness.checks import Evidence
+from harness.engine.limits import EVERY_CASE_AFTER, RunLimits
+from harness.engine.pool import CASE_FLOOR_S, MIN_MEASURED, WorkerPool
+from harness.engine.runner import Runner
+from harness.findings import Finding
+from harness.observations import RankResult
+from harness.targets import load_target
+
+pytestmark = pytest.mark.distributed
+
+REPO = Path(__file__).resolve().parents[1]
+HANG_MUTANT = "mutant:extra-allreduce-rank0-metric-only"
+METRIC_ONLY = KernelCase(tp=2, T=3, v_local=4, with_entropy_grad=False, seed=1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_stuck_rank_is_found_long_before_the_collective_timeout(harness_pools):
+    """Rank 1 returns normally, rank 0 waits in an all-reduce rank 1 never joins (slime #1822):
+    a `hang` finding naming rank 0 and the collective, in about a second, not after 30 s."""
+    runner = Runner(HANG_MUTANT, collective_timeout_s=30, pools=harness_pools)
+    runner.check(METRIC_ONLY.replace(with_entropy_grad=True))  # warm: the pool exists, the target is imported
+    start = time.monotonic()
+    ev, findings = runner.check(METRIC_ONLY)
+    assert time.monotonic() - start < 10, "found by evidence, not by the 30 s collective timeout"
+    checks = {f.check: f for f in findings}
+    assert {"hang", "collectives"} <= set(checks), findings
+    assert "crash" not in checks, "a rank that never returns is hang's finding, not crash's"
+    msg = checks["hang"].message
+    assert "rank 0 stuck in all_reduce(group=2, shape=[1], float32)" in msg
+    assert "rank 1 had returned" in msg
+    assert ev.ranks[0].error_kind == "stuck" and ev.ranks[1].error is None
+    # The stuck rank's trace came from the progress board: its extra collective is the difference.
+    assert len(ev.ranks[0].trace) == len(ev.ranks[1].trace) + 1
+    assert "first difference at collective #5" in checks["collectives"].message
+    # The pool was rebuilt: the next case runs clean.
+    _, findings = runner.check(METRIC_ONLY.replace(with_entropy_grad=True, seed=2))
+    assert not findings
+
+
+def test_every_rank_blocked_is_stuck_too(harness_pools):
+    """No rank returned, each blocked in a collective of another group: a deadlock, found in
+    seconds although the collective timeout is long."""
+    pool = WorkerPool(2, collective_timeout_s=60)
+    try:
+        start = time.monotonic()
+        replies = pool.run("tests.pool_jobs:cross_blocked", deadline_s=60)
+        assert time.monotonic() - start < 20
+        assert [r.error_kind for r in replies] == ["stuck", "stuck"], replies
+        assert "every rank was blocked in a collective" in replies[0].error
+        assert pool.run("tests.pool_jobs:all_reduce_sum") == [3.0, 3.0]
+    finally:
+        pool.close()
+
+
+def test_case_deadline_scales_with_the_measured_cost():
+    pool = WorkerPool(1, collective_timeout_s=20)
+    try:
+        assert pool.case_deadline() == 50  # nothing measured yet: the backstop
+        for _ in range(MIN_MEASURED):
+            pool.run("tests.pool_jobs:whoami")
+        assert pool.case_deadline() == CASE_FLOOR_S  # cheap jobs: the floor for slow targets
+        pool.case_timeout_s = 1.5  # --case-timeout
+        start = time.monotonic()
+        replies = pool.run("tests.pool_jobs:sleep_everywhere")
+        assert time.monotonic() - start < 10
+        assert replies[0].error_kind == "timeout"
+    finally:
+        pool.close()
+
+
+def _ev(kinds: list[str | None], case: KernelCase = METRIC_ONLY) -> Evidence:
+    return Evidence(case, load_target("harness.targets.fused"),
+                    [RankResult(r, error=k and "x", error_kind=k) for r, k in enumerate(kinds)])
+
+
+def test_run_limits_skip_known_hangs_and_targets_that_hang_everywhere():
+    limits = RunLimits(max_findings=3)
+    other = METRIC_ONLY.replace(T=5, seed=9)
+    differentiable = METRIC_ONLY.replace(with_entropy_grad=True)
+    limits.observe(_ev(["stuck", None]))
+    assert limits.skip_reason(other) is None, "not shrunk yet: exploration still has to shrink it"
+    assert "hang" in limits.skip_reason(other, unshrunk=True)  # the corpus moves on
+    shrunk = Finding("hang", "kernel", METRIC_ONLY.spec(), "stuck", "repro", shrunk=True)
+    limits.confirm_hang(shrunk, METRIC_ONLY)
+    assert limits.skip(other) and not limits.skip(differentiable)
+    assert limits.summary() == [f"skipped 1 case(s): metric-only entropy cases hang (shrunk finding: {METRIC_ONLY.spec()})"]
+    # A hang reported once: the findings on another hung case of the class fold into the shrunk one.
+    limits.observe(_ev(["stuck", None], other))
+    elsewhere = Finding("hang", "kernel", other.spec(), "stuck", "repro")
+    assert limits.final([elsewhere, shrunk]) == [shrunk]
+    for _ in range(EVERY_CASE_AFTER):
+        limits.observe(_ev(["timeout", "timeout"], differentiable))
+    assert "hangs everywhere" in limits.skip_reason(differentiable)
+    everywhere = Finding("hang", "kernel", differentiable.spec(), "timeout", "repro")
+    assert limits.final([shrunk, everywhere]) == [shrunk], "hangs everywhere: one report"
+    limits.record([shrunk, shrunk])
+    assert not limits.reached()
+    limits.record([shrunk])
+    assert limits.reached()
+
+
+def test_check_reports_a_hang_once_shrunk_and_runs_the_other_cases(harness_pools, tmp_path):
+    out = tmp_path / "r.json"
+    start = time.monotonic()
+    code = cli.main(["check", "--target", HANG_MUTANT, "--tp", "2", "--profile", "smoke", "-q", "--json", str(out)],
+                    pools=harness_pools)
+    assert code == 1
+    assert time.monotonic() - start < 120
+    result = json.loads(out.read_text())
+    hangs = [f for f in result["findings"] if f["check"] == "hang"]
+    assert len(hangs) == 1 and hangs[0]["shrunk"], result["findings"]
+    assert "repro --target" in hangs[0]["repro"]
+    assert sum(result["skipped"].values()) > 0
+    assert all("metric-only entropy cases hang" in reason for reason in result["skipped"])
+    assert {f["check"] for f in result["findings"]} <= {"hang", "collectives"}
+    # The cases that do not hang got every other check.
+    assert result["checks"]["values"]["kernel"]["applied"] > 10
+
+
+def test_exitfirst_and_max_findings_stop_the_run(harness_pools, tmp_path):
+    out = tmp_path / "r.json"
+    code = cli.main(["check", "--target", "mutant:missing-allreduce-max", "--tp", "2", "--profile", "smoke", "-q",
+                     "-x", "--json", str(out)], pools=harness_pools)
+    first = json.loads(out.read_text())
+    assert code == 1 and first["stopped_at_max_findings"]
+    assert len({f["case"] for f in first["findings"]}) == 1, "stops after the first failing case"
+    code = cli.main(["check", "--target", "mutant:missing-allreduce-max", "--tp", "2", "--profile", "smoke", "-q",
+                     "--no-shrink", "--max-findings", "4", "--json", str(out)], pools=harness_pools)
+    capped = json.loads(out.read_text())
+    assert code == 1 and capped["stopped_at_max_findings"] and len(capped["findings"]) >= 4
+    assert capped["cases_run"] < 60
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    if int(fh.read().split(")")[-1].split()[1]) == pid:
+                        kids.append(int(entry))
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                pass
+    return kids
+
+
+def test_sigterm_ends_the_run_like_ctrl_c(tmp_path):
+    """A CI runner cancels with SIGTERM: one line, the findings so far in --json, exit 143, no
+    worker left behind, no Hypothesis traceback."""
+    out = tmp_path / "r.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "check", "--target", HANG_MUTANT, "--tp", "2",
+                             "--collective-timeout", "6", "--json", str(out)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        lines = []
+        while time.monotonic() < deadline:  # until exploration has begun (the corpus found the hang)
+            line = proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "randomized cases" in line:
+                break
+        assert any("randomized cases" in x for x in lines), "".join(lines)
+        time.sleep(1.0)  # mid-exploration: inside Hypothesis, perhaps inside a case
+        workers = _children(proc.pid)
+        assert workers, "the run has worker pools"
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+    assert proc.returncode == 143, stderr[-3000:]
+    assert "Traceback" not in stderr and "Flaky" not in stderr, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("harness: interrupted by SIGTERM") and str(out) in last, last
+    result = json.loads(out.read_text())
+    assert result["interrupted"] == "SIGTERM"
+    assert any(f["check"] == "hang" for f in result["findings"]), "the corpus's hang, found before the signal"
+    time.sleep(0.5)
+    assert not [p for p in workers if _alive(p)], "no worker outlives the run"
