@@ -22,6 +22,7 @@ import atexit
 import ctypes
 import importlib
 import os
+import pickle
 import shutil
 import signal
 import statistics
@@ -83,6 +84,13 @@ def resolve(path: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+def _reply(conn: Connection, obj: Any) -> None:
+    """Send a reply to the driver by value. torch.multiprocessing's pickler would share every
+    tensor through a file descriptor that lives as long as the driver keeps the tensor: a run
+    that caches thousands of observations ran out of descriptors ("Too many open files")."""
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
 def _worker_main(rank: int, world: int, store_dir: str, conn: Connection, backend: str,
                  timeout_s: float, parent_pid: int, tp: int, board: ProgressBoard) -> None:
     _die_with_parent(parent_pid)
@@ -113,10 +121,10 @@ def _worker_main(rank: int, world: int, store_dir: str, conn: Connection, backen
             raise RuntimeError(f"rank {rank}: megatron-core placed it at (TP rank, DP rank) {coords}, "
                                f"expected {(rank % tp, rank // tp)}")
     except Exception:
-        conn.send(("failed", traceback.format_exc(limit=4)))
+        _reply(conn, ("failed", traceback.format_exc(limit=4)))
         return
     ctx = RankContext(rank, world, device)
-    conn.send(("ready", rank))
+    _reply(conn, ("ready", rank))
     while True:
         try:
             msg = conn.recv()
@@ -129,7 +137,7 @@ def _worker_main(rank: int, world: int, store_dir: str, conn: Connection, backen
             reply = resolve(fn_path)(ctx, *args)
         except Exception as e:  # a job function failing is reported, never fatal to the worker
             reply = RankResult.from_exception(rank, e)
-        conn.send(reply)
+        _reply(conn, reply)
     try:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
@@ -252,7 +260,7 @@ class WorkerPool:
                 if obj in pending:
                     r = pending.pop(obj)
                     try:
-                        replies[r] = obj.recv()
+                        replies[r] = pickle.loads(obj.recv_bytes())
                     except (EOFError, OSError):
                         pass
                     if raised_at is None and isinstance(replies.get(r), RankResult) and replies[r].error:
