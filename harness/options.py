@@ -76,9 +76,12 @@ class Option:
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
     extra_flags: tuple[str, ...] = ()
+    action: str | None = None  # "store_true": a switch
 
     def kwargs(self, default: Any) -> dict[str, Any]:
         kw: dict[str, Any] = {"default": default, "help": self.help}
+        if self.action is not None:
+            kw["action"] = self.action
         if self.parse is not None:
             kw["type"] = _argparse_type(self.parse)
         if self.choices is not None:
@@ -97,6 +100,8 @@ OPTIONS: dict[str, Option] = {o.flag.lstrip("-").replace("-", "_"): o for o in (
     Option("--profile", "how many randomized cases (smoke: seconds, ci: about a minute)", DEFAULT_PROFILE,
            choices=tuple(sorted(PROFILES))),
     Option("--seed", "seed of the randomized cases", 0, seed_value),
+    Option("--bitwise", "also run the opt-in bitwise checks (determinism, batch invariance) and "
+           "print which hold per configuration", False, action="store_true"),
 )}
 
 
@@ -124,6 +129,7 @@ class RunConfig:
     device: str = "cpu"
     collective_timeout_s: float = 20.0
     pools: dict | None = None
+    bitwise: bool = False
 
     @classmethod
     def from_options(cls, get: Callable[[str], Any], pools: dict | None = None) -> "RunConfig":
@@ -132,4 +138,5 @@ class RunConfig:
         def value(name: str) -> Any:
             got = get(name)
             return OPTIONS[name].default if got is None else got
-        return cls(value("target"), list(value("tp")), value("device"), value("collective_timeout"), pools)
+        return cls(value("target"), list(value("tp")), value("device"), value("collective_timeout"), pools,
+                   bool(value("bitwise")))

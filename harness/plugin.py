@@ -23,7 +23,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     # The CLI's options, flags and validators; the profile defaults to the environment's (ci under
     # $CI, else dev) and the seed to Hypothesis's derandomized one.
     options.add_pytest(parser.getgroup("logprob-harness"),
-                       ("target", "tp", "device", "collective_timeout", "profile", "seed"), profile=None, seed=None)
+                       ("target", "tp", "device", "collective_timeout", "profile", "seed", "bitwise"),
+                       profile=None, seed=None)
 
 
 def run_config(config: pytest.Config, pools: dict | None = None) -> RunConfig:

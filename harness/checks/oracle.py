@@ -53,15 +53,22 @@ def expected(case: Case) -> Expected:
     return _wrapper(case)
 
 
+def _abs_sum(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    """The weight that bounds the error of two calls' summed gradients (one call: its own)."""
+    return a if a is None or b is None else a.abs() + b.abs()
+
+
 def _kernel(case: KernelCase) -> Expected:
     inp = case.inputs()
     x = inp.logits.to(torch.float64)
     grad = None
-    if case.requires_grad:
-        w2 = inp.w_entropy if case.expects_entropy_grad else None
-        grad = reference.logits_grad(x, inp.tokens, inp.keep_mask, inp.w_log_prob, w2)
-    w1s = [inp.w_log_prob] if inp.w_log_prob is not None else []
-    w2s = [inp.w_entropy] if case.expects_entropy_grad and inp.w_entropy is not None else None
+    w_lp, w_ent = inp.total_weights()  # two calls into one gradient: the gradient is linear in the weights
+    if case.grad_on:
+        grad = reference.logits_grad(x, inp.tokens, inp.keep_mask, w_lp, w_ent if case.expects_entropy_grad else None)
+    w1 = _abs_sum(inp.w_log_prob, inp.w_log_prob_2)
+    w2 = _abs_sum(inp.w_entropy, inp.w_entropy_2)
+    w1s = [w1] if w1 is not None else []
+    w2s = [w2] if case.expects_entropy_grad and w2 is not None else None
     scale = _scale(x, case.vocab)
     return Expected(
         log_prob=reference.log_probs(x, inp.tokens, inp.keep_mask),
@@ -81,8 +88,13 @@ def _wrapper(case: WrapperCase) -> Expected:
                   response_lengths=list(case.response_lengths), with_entropy=case.with_entropy,
                   top_p_token_ids=inp.top_p_token_ids, top_p_token_offsets=inp.top_p_token_offsets)
     out = reference.wrapper_outputs(inp.logits, args, **common)
-    w2 = inp.w_entropy if out["entropy_requires_grad"] else None
-    grad = reference.wrapper_logits_grad(inp.logits, args, w_log_probs=inp.w_log_probs, w_entropy=w2, **common)
+    w_lp, w_ent = inp.total_weights()  # two calls into one gradient: the gradient is linear in the weights
+    w2 = w_ent if out["entropy_requires_grad"] else None
+    grad = reference.wrapper_logits_grad(inp.logits, args, w_log_probs=w_lp, w_entropy=w2, **common) \
+        if case.grad_on else None
+    if inp.w_log_probs_2 is not None:  # the error bound of two summed gradients
+        w_lp = [a.abs() + b.abs() for a, b in zip(inp.w_log_probs, inp.w_log_probs_2)]
+        w2 = [a.abs() + b.abs() for a, b in zip(inp.w_entropy, inp.w_entropy_2)] if w2 is not None else None
     temperature = case.temperature if case.temperature is not None else 1.0
     scale = _scale(inp.logits.to(torch.float64) / temperature, case.vocab)
     # The chain rule through 1/temperature scales every gradient entry.
@@ -90,6 +102,6 @@ def _wrapper(case: WrapperCase) -> Expected:
         log_prob=out["log_probs"], entropy=out["entropy"], grad=grad,
         entropy_requires_grad=out["entropy_requires_grad"],
         value_atol=K * U32 * scale,
-        grad_atol=_grad_atol(scale, case.vocab, inp.w_log_probs, w2, "fp32", grad) / abs(temperature),
+        grad_atol=_grad_atol(scale, case.vocab, w_lp, w2, "fp32", grad) / abs(temperature),
         grad_rtol=0.0,
     )
