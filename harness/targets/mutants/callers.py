@@ -55,7 +55,7 @@ class ReductionOrderPerCall(Fused):
         # starting at a column that moves with every call.
         e = torch.exp(x - m.unsqueeze(-1))
         type(self)._calls += 1
-        shift = type(self)._calls % max(e.shape[-1], 1)
+        shift = (5 * type(self)._calls) % max(e.shape[-1], 1)
         s = torch.roll(e, shift, dims=-1).sum(dim=-1)
         return e, self.all_reduce(s, dist.ReduceOp.SUM, group, stat)
 
