@@ -231,3 +231,7 @@ def test_cli_bitwise_prints_the_property_sheet_and_notes(tmp_path, capsys, harne
     data = json.loads(out.read_text())
     assert data["bitwise"] and all(p["checked"] == p["held"] for c in data["bitwise"].values() for p in c.values())
     assert any(lv.get("not_applied") for c in data["checks"].values() for lv in c.values())
+    from harness.report import render
+
+    md = render.render_markdown(data)
+    assert "Bitwise properties" in md and "Not applied in some call contexts" in md
