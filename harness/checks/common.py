@@ -39,12 +39,11 @@ def collectives(ev: Evidence) -> list[str]:
     return [f"ranks diverge: {counts}; first difference at collective #{first + 1}: {detail}"]
 
 
-@check("inference-path", applies=lambda c, t: c.T > 0 and not c.grad_on)
+@check("inference-path", applies=lambda c, t: c.T > 0 and not c.autograd)
 def inference_path(ev: Evidence) -> list[str]:
-    """A call without autograd (under torch.no_grad() or torch.inference_mode(), or on logits that
-    do not require grad: how trainers recompute old-policy and reference log-probs) returns what
-    the training path returns on the same inputs, bit for bit, keep mask, temperature and top-p
-    included."""
+    """A call under torch.no_grad() or torch.inference_mode() (how trainers recompute old-policy
+    and reference log-probs) returns what the training path returns on the same inputs, bit for
+    bit, keep mask, temperature and top-p included."""
     problems = []
     for r in ev.ranks:
         if r.obs.training is None:

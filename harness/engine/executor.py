@@ -81,7 +81,7 @@ def run_kernel(case: KernelCase, target: Target, rank: int, group: Any, device: 
         with grad_context(case.context):
             inp.call(target, case, group)
     obs.memory = meter.figures
-    if not case.grad_on and case.T > 0:
+    if not case.autograd and case.T > 0:
         obs.training = training_kernel(case, target, rank, group, device)
     obs.stage = "backward"
 
@@ -174,7 +174,7 @@ def run_wrapper(case: WrapperCase, target: Target, rank: int, device: torch.devi
     obs.memory = meter.figures
     if wants_kernel_pass(case, target):
         obs.kernel_pass = kernel_pass(case, target, call.values, device)
-    if not case.grad_on and case.T > 0:
+    if not case.autograd and case.T > 0:
         train = _WrapperCall(case.replace(context="train"), target, rank, device)
         with trace.recording():
             lps, ents = train()
