@@ -1,6 +1,7 @@
 """Why a routine that all-reduces per-row statistics is not bitwise batch-invariant at TP > 2
 (docs/bitwise.md): gloo's all-reduce adds the ranks' values in an order that depends on the
-buffer's length. Also PyTorch's CPU row sums, on several threads and long rows.
+buffer's length. Also PyTorch's CPU row sums: on several threads and long rows, and over a
+strided (transposed) last dimension.
 
     python scripts/sum_order.py
 """
@@ -42,7 +43,25 @@ def _row_sums() -> None:
             print(f"torch CPU sum, {threads} thread(s), 8 rows of {V}: {n} of 8 rows differ alone vs in the batch")
 
 
+def _strided_sums() -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    for layout in ("contiguous", "transposed"):
+        for V in (5, 13, 40):
+            differ = 0
+            for T in range(2, 25):
+                x = torch.rand(T, V) if layout == "contiguous" else torch.rand(V, T).t()
+                whole = x.sum(-1)
+                for P in range(1, T):
+                    part = torch.empty_like(x[:P]) if layout == "contiguous" else torch.empty(V, P).t()
+                    part.copy_(x[:P])
+                    differ += int((part.sum(-1).view(torch.int32) != whole[:P].view(torch.int32)).sum())
+            print(f"torch CPU sum over the last dim, {layout} [T, {V}], T = 2..24: {differ} row sums of a "
+                  f"prefix differ from the same rows' sums in the whole tensor")
+
+
 if __name__ == "__main__":
     for i, world in enumerate((2, 3, 4)):
         mp.spawn(_allreduce, args=(world, 29630 + i), nprocs=world)
     _row_sums()
+    _strided_sums()
