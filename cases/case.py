@@ -18,6 +18,20 @@ REGIMES = ("normal", "peaked", "huge", "ties", "neginf")
 MASKS = ("none", "random", "drop_target", "only_target")
 TOP_P = ("none", "nucleus", "partial")
 LOSS_TERMS = ("both", "log_prob", "entropy")
+# How the caller lays out the logits it hands over (the values are the same in every layout; only
+# the memory differs): a fresh contiguous leaf; a transposed view (Megatron's [s, b, v] output
+# turned into [b, s, v]); every other row of a buffer; every other column; a row slice of a
+# larger buffer (a storage offset, as the wrapper's per-sample slices have); the output of an op
+# (a non-leaf, as in training: an in-place write corrupts the graph instead of raising).
+LAYOUTS = ("contiguous", "transposed", "row_strided", "col_strided", "offset", "nonleaf")
+NONCONTIGUOUS = ("transposed", "row_strided", "col_strided")
+TOKEN_LAYOUTS = ("contiguous", "strided", "offset")  # int64 always; a view or a slice of a buffer
+# How the routine is called: the training path; under torch.no_grad() or torch.inference_mode()
+# (old-policy / reference log-probs); two microbatches accumulated into the same .grad (two
+# calls, two backwards); two calls in one graph whose losses are summed (one backward).
+CONTEXTS = ("train", "no_grad", "inference_mode", "accumulate", "two_calls")
+AUTOGRAD_OFF = ("no_grad", "inference_mode")
+TWO_CALLS = ("accumulate", "two_calls")
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -46,6 +60,17 @@ class KernelInputs:
     keep_mask: torch.Tensor | None  # [T, V] bool
     w_log_prob: torch.Tensor | None  # [T] float32 upstream weights; None: not in the loss
     w_entropy: torch.Tensor | None
+    # The second call's upstream weights (contexts with two calls); the gradient is linear in
+    # the weights, so the expected gradient is the oracle's at the summed weights.
+    w_log_prob_2: torch.Tensor | None = None
+    w_entropy_2: torch.Tensor | None = None
+
+    def total_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return _plus(self.w_log_prob, self.w_log_prob_2), _plus(self.w_entropy, self.w_entropy_2)
+
+
+def _plus(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    return a if a is None or b is None else a + b
 
 
 @dataclass(frozen=True)
@@ -56,11 +81,18 @@ class WrapperInputs:
     top_p_token_offsets: list[torch.Tensor | list[int]] | None
     w_log_probs: list[torch.Tensor]
     w_entropy: list[torch.Tensor]
+    w_log_probs_2: list[torch.Tensor] | None = None  # the second call's (contexts with two calls)
+    w_entropy_2: list[torch.Tensor] | None = None
+
+    def total_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if self.w_log_probs_2 is None:
+            return self.w_log_probs, self.w_entropy
+        return ([a + b for a, b in zip(self.w_log_probs, self.w_log_probs_2)],
+                [a + b for a, b in zip(self.w_entropy, self.w_entropy_2)])
 
 
 # Fields left out of the spec at their default, so the specs (and test ids) of cases that
 # predate them stay unchanged.
-_QUIET_DEFAULTS = {"dp": 1}
 REPLICA_SEED_STRIDE = 1_000_003
 
 
@@ -68,9 +100,10 @@ class _CaseBase:
     level: ClassVar[str]
 
     def spec(self) -> str:
-        """Stable one-line form; `parse_case(spec)` rebuilds the case."""
+        """Stable one-line form; `parse_case(spec)` rebuilds the case. Fields added after the first
+        release are left out at their default, so earlier specs (and baselines keyed by them) stay."""
         parts = [f"{f.name}={fmt_field(getattr(self, f.name))}" for f in dataclasses.fields(self)
-                 if not (f.name in _QUIET_DEFAULTS and getattr(self, f.name) == _QUIET_DEFAULTS[f.name])]
+                 if f.name not in _LATER_FIELDS or getattr(self, f.name) != f.default]
         return f"{self.level}:" + ",".join(parts)
 
     def replica(self, d: int):
@@ -86,6 +119,18 @@ class _CaseBase:
     @property
     def vocab(self) -> int:
         return self.tp * self.v_local
+
+    @property
+    def autograd(self) -> bool:
+        """The call runs with autograd on (not under no_grad / inference_mode)."""
+        return self.context not in AUTOGRAD_OFF
+
+    def config(self) -> str:
+        """The configuration a bitwise property is reported for."""
+        masked = "masked" if getattr(self, "mask", "none") != "none" or getattr(self, "top_p", "none") != "none" \
+            else "unmasked"
+        return (f"{self.level} tp{self.tp} {getattr(self, 'dtype', 'fp32')} "
+                f"{'chunked' if self.chunk_size > 0 else 'unchunked'} {masked}")
 
     @property
     def entropy_mode(self) -> str:
@@ -110,16 +155,34 @@ class KernelCase(_CaseBase):
     loss_terms: str = "both"  # which outputs the upstream loss uses: both | log_prob | entropy
     seed: int = 0
     dp: int = 1  # data-parallel replicas: the TP group is a subgroup of a world of tp x dp ranks
+    layout: str = "contiguous"  # LAYOUTS: the memory layout of the logits handed over
+    token_layout: str = "contiguous"  # TOKEN_LAYOUTS
+    context: str = "train"  # CONTEXTS: how the routine is called
+    # Rows [row_start, row_start + T) of the batch of `batch_of` rows the seed draws (0: the batch
+    # is this case's T rows): a row's values then do not depend on which rows are run with it.
+    batch_of: int = 0
+    row_start: int = 0
+    repeat: int = 0  # the n-th identical run of the same call (determinism); changes no input
     level: ClassVar[str] = "kernel"
 
     @property
+    def grad_on(self) -> bool:
+        """The outputs can carry autograd history: the logits require grad and autograd is on."""
+        return self.requires_grad and self.autograd
+
+    @property
     def expects_entropy_grad(self) -> bool:
-        return self.with_entropy and self.with_entropy_grad and self.requires_grad
+        return self.with_entropy and self.with_entropy_grad and self.grad_on
 
     @property
     def has_backward(self) -> bool:
         """The upstream loss reaches the logits through at least one differentiable output."""
-        return self.requires_grad and (self.loss_terms != "entropy" or self.expects_entropy_grad)
+        return self.grad_on and (self.loss_terms != "entropy" or self.expects_entropy_grad)
+
+    def rows_of_batch(self, start: int, count: int, **changes: Any) -> "KernelCase":
+        """The case that runs rows [start, start + count) of this case's batch, alone."""
+        batch = self.batch_of or self.T
+        return self.replace(T=count, batch_of=batch, row_start=self.row_start + start, **changes)
 
     def group(self) -> str:
         """Readable id of the configuration family, used in test ids and summaries."""
@@ -127,6 +190,11 @@ class KernelCase(_CaseBase):
         return f"{self.level}-tp{self.tp}{dp}-{self.dtype}-{'masked' if self.mask != 'none' else 'unmasked'}"
 
     def inputs(self) -> KernelInputs:
+        if self.batch_of:
+            full = self.replace(T=self.batch_of, batch_of=0, row_start=0).inputs()
+            rows = slice(self.row_start, self.row_start + self.T)
+            pick = lambda t: None if t is None else t[rows].clone()  # noqa: E731
+            return KernelInputs(*(pick(getattr(full, f.name)) for f in dataclasses.fields(full)))
         g = _generator(self.seed)
         T, V = self.T, self.vocab
         logits = _logits(g, T, V, self.regime, DTYPES[self.dtype])
@@ -151,9 +219,12 @@ class KernelCase(_CaseBase):
                 keep[:] = False
         w1 = torch.randn(T, generator=g)
         w2 = torch.randn(T, generator=g)
+        second = (torch.randn(T, generator=g), torch.randn(T, generator=g)) if self.context in TWO_CALLS \
+            else (None, None)
         # A loss that leaves one output out gives it no upstream gradient (slime #2158's trigger).
-        return KernelInputs(logits, tokens, keep, w1 if self.loss_terms != "entropy" else None,
-                            w2 if self.loss_terms != "log_prob" else None)
+        lp, ent = self.loss_terms != "entropy", self.loss_terms != "log_prob"
+        return KernelInputs(logits, tokens, keep, w1 if lp else None, w2 if ent else None,
+                            second[0] if lp else None, second[1] if ent else None)
 
 
 @dataclass(frozen=True)
@@ -170,6 +241,10 @@ class WrapperCase(_CaseBase):
     regime: str = "normal"
     seed: int = 0
     dp: int = 1  # data-parallel replicas: the TP group is a subgroup of a world of tp x dp ranks
+    layout: str = "contiguous"  # LAYOUTS, of the [T, V_local] rows (the wrapper gets them unsqueezed)
+    token_layout: str = "contiguous"  # "offset"/"strided": every sample's tokens are a slice of one buffer
+    context: str = "train"  # CONTEXTS
+    repeat: int = 0  # the n-th identical run of the same call (determinism); changes no input
     level: ClassVar[str] = "wrapper"
 
     @property
@@ -178,8 +253,13 @@ class WrapperCase(_CaseBase):
 
     @property
     def expects_entropy_grad(self) -> bool:
+        """PR #2153's rule (whatever the context: under no_grad nothing carries a gradient anyway)."""
         coef = 0.0 if self.entropy_coef is None else self.entropy_coef
         return self.with_entropy and coef != 0
+
+    @property
+    def grad_on(self) -> bool:
+        return self.autograd
 
     def group(self) -> str:
         dp = f"-dp{self.dp}" if self.dp > 1 else ""
@@ -230,8 +310,15 @@ class WrapperCase(_CaseBase):
                     offsets.append(offs.to(torch.int32))
         w1 = [torch.randn(R, generator=g) for R in self.response_lengths]
         w2 = [torch.randn(R, generator=g) for R in self.response_lengths]
-        return WrapperInputs(logits, tokens, ids, offsets, w1, w2)
+        if self.context not in TWO_CALLS:
+            return WrapperInputs(logits, tokens, ids, offsets, w1, w2)
+        w1b = [torch.randn(R, generator=g) for R in self.response_lengths]
+        w2b = [torch.randn(R, generator=g) for R in self.response_lengths]
+        return WrapperInputs(logits, tokens, ids, offsets, w1, w2, w1b, w2b)
 
+
+# Case fields that are left out of a spec at their default value (see `spec`).
+_LATER_FIELDS = frozenset({"dp", "layout", "token_layout", "context", "batch_of", "row_start", "repeat"})
 
 CASE_TYPES: dict[str, type] = {"kernel": KernelCase, "wrapper": WrapperCase}
 Case = KernelCase | WrapperCase

@@ -60,4 +60,26 @@ CORPUS: tuple[Regression, ...] = (
     Regression("tp-group-not-world", "in training world = DP x TP: a reduction over the default group mixes "
                "replicas, invisible wherever the world is one TP group", "values",
                KernelCase(tp=2, T=5, v_local=4, mask="random", dp=2, seed=4242)),
+    # How real callers hand the routine its inputs and call it (not a shipped defect each; the
+    # shapes every trainer produces, where a kernel that assumes a fresh contiguous leaf breaks).
+    Regression("transposed-logits", "caller: Megatron's [s, b, v] output turned into [b, s, v] is a transposed "
+               "view; a kernel reading it as row-major gets wrong values silently", "values",
+               KernelCase(tp=2, T=6, v_local=5, chunk_size=4, layout="transposed", seed=14)),
+    Regression("column-strided-logits", "caller: a column-strided view of the logits", "values",
+               KernelCase(tp=2, T=5, v_local=6, mask="random", layout="col_strided", seed=141)),
+    Regression("sliced-logits-and-tokens", "caller: the wrapper's per-sample slices: storage offsets in the logits "
+               "and the tokens", "wrapper-extraction", _w(layout="offset", token_layout="offset", entropy_coef=0.01)),
+    Regression("non-leaf-logits", "caller: logits that are an op's output, as in training, where an in-place "
+               "write corrupts the graph instead of raising", "input-integrity",
+               KernelCase(tp=2, T=5, v_local=4, chunk_size=2, mask="random", layout="nonleaf", seed=142)),
+    Regression("no-grad-keep-mask", "caller: old-policy/reference log-probs recomputed under torch.no_grad() "
+               "must equal the training path bit for bit, keep mask included", "inference-path",
+               KernelCase(tp=2, T=6, v_local=5, mask="random", context="no_grad", seed=143)),
+    Regression("inference-mode-top-p", "caller: the wrapper under torch.inference_mode() with top-p replay and a "
+               "temperature", "inference-path", _w(top_p="nucleus", temperature=0.7, context="inference_mode")),
+    Regression("two-calls-one-graph", "caller: policy and KL terms from two calls on the same logits, losses "
+               "summed, one backward", "gradients",
+               KernelCase(tp=2, T=6, v_local=5, context="two_calls", token_layout="strided", seed=144)),
+    Regression("microbatch-accumulation", "caller: two microbatches accumulated into the same .grad",
+               "wrapper-gradients", _w(entropy_coef=0.01, context="accumulate")),
 )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from cases.case import LOSS_TERMS, MASKS, REGIMES, TOP_P, KernelCase, WrapperCase
+from cases.case import CONTEXTS, LAYOUTS, LOSS_TERMS, MASKS, REGIMES, TOKEN_LAYOUTS, TOP_P, KernelCase, WrapperCase
 
 TP_SIZES = (1, 2, 4)
 SEEDS = st.integers(0, 2**31 - 1)
@@ -25,6 +25,20 @@ def _chunk(draw, rows: int) -> int:
     if non_divisors:
         options.append(draw(st.sampled_from(non_divisors)))
     return draw(st.sampled_from(options))
+
+
+def _mostly_first(options: tuple[str, ...]) -> st.SearchStrategy:
+    """The first (today's, simplest) option about half the time, each other option evenly; shrinks
+    to the first."""
+    return st.one_of(st.just(options[0]), st.sampled_from(options))
+
+
+def _how_called(draw) -> dict:
+    """How the caller lays out the logits and tokens and calls the routine. The training context
+    about three times in four: the others cost a second call (docs/callers.md)."""
+    context = st.one_of(st.just(CONTEXTS[0]), st.just(CONTEXTS[0]), st.sampled_from(CONTEXTS))
+    return dict(layout=draw(_mostly_first(LAYOUTS)), token_layout=draw(_mostly_first(TOKEN_LAYOUTS)),
+                context=draw(context))
 
 
 @st.composite
@@ -50,6 +64,7 @@ def kernel_cases(draw, tp=st.sampled_from(TP_SIZES), dtype=st.sampled_from(("fp3
         loss_terms=draw(st.sampled_from(LOSS_TERMS)) if with_entropy else "both",
         seed=draw(SEEDS),
         dp=draw(dp),
+        **_how_called(draw),
     )
 
 
@@ -74,6 +89,7 @@ def wrapper_cases(draw, tp=st.sampled_from(TP_SIZES), top_p: bool | None = None,
         regime=draw(st.sampled_from(("normal", "peaked", "ties", "huge"))),
         seed=draw(SEEDS),
         dp=draw(dp),
+        **_how_called(draw),
     )
 
 

@@ -38,21 +38,45 @@ def _progress(quiet: bool):
 
 def summary_table(runner: Runner, findings: list[Finding]) -> str:
     levels = [lvl for lvl in ("kernel", "wrapper") if lvl in runner.target.levels]
-    rows = [("check", *[f"{lvl} (checked/failed)" for lvl in levels], "max err/tol")]
+    rows = [("check", *[f"{lvl} (checked/failed)" for lvl in levels], "max err/tol", "not applied")]
+    notes: list[str] = []
     for name in runner.checks:
-        cells, margin = [], 0.0
+        cells, margin, skipped = [], 0.0, 0
         for lvl in levels:
             st = runner.stats.get((name, lvl))
             cells.append("-" if st is None else f"{st.applied}/{st.failed}" + (f" (+{st.known} known)" if st.known else ""))
             if st and st.margins:
                 margin = max(margin, max(st.margins))
+            for note, n in sorted((st.not_applied if st else {}).items()):
+                skipped += n
+                notes.append(f"  {name} ({lvl}), {n} case(s): {note}")
         if all(c == "-" for c in cells):
             continue
-        rows.append((name, *cells, f"{margin:.3f}" if margin else "-"))
+        rows.append((name, *cells, f"{margin:.3f}" if margin else "-", str(skipped) if skipped else "-"))
+    lines = _table(rows)
+    if notes:
+        lines += ["", "checks not applied in some call contexts (they would apply on the training path):", *notes]
+    return "\n".join(lines)
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return lines
+
+
+def bitwise_table(runner: Runner) -> str:
+    """The bitwise property sheet: per configuration, in how many cases each property held."""
+    names = [n for n, c in runner.checks.items() if c.family == "bitwise"]
+    rows = [("configuration", *names)]
+    for config in sorted(runner.properties):
+        got = runner.properties[config]
+        rows.append((config, *[("-" if n not in got else f"{'holds' if got[n][0] == got[n][1] else 'FAILS'} "
+                                f"{got[n][1]}/{got[n][0]}") for n in names]))
+    return "\n".join(["bitwise properties (cases where it held / cases checked):", *_table(rows),
+                      "TP invariance is not a bitwise property: another TP size changes the reduction tree "
+                      "(docs/bitwise.md); tp-invariance holds it to the float32 tolerance."])
 
 
 def result_json(runner: Runner, findings: list[Finding], elapsed: float, extra: dict[str, Any]) -> dict[str, Any]:
@@ -60,13 +84,16 @@ def result_json(runner: Runner, findings: list[Finding], elapsed: float, extra: 
     for (name, lvl), st in runner.stats.items():
         checks.setdefault(name, {})[lvl] = {"applied": st.applied, "failed": st.failed, "known": st.known,
                                              "max_margin": max(st.margins, default=None), "margins": st.margins,
-                                             "margins_by_group": st.margins_by_group}
+                                             "margins_by_group": st.margins_by_group, "not_applied": st.not_applied}
     return {
         "target": runner.target.spec, "levels": list(runner.target.levels),
         "capabilities": runner.target.capabilities, "cases_run": runner.cases_run,
         "elapsed_s": round(elapsed, 3), "case_seconds": round(runner.run_seconds, 3),
         "cases_per_s": round(runner.cases_run / runner.run_seconds, 2) if runner.run_seconds else None,
-        "findings": [f.to_json() for f in findings], "checks": checks, **extra,
+        "findings": [f.to_json() for f in findings], "checks": checks,
+        "bitwise": {config: {n: {"checked": c, "held": h} for n, (c, h) in got.items()}
+                    for config, got in sorted(runner.properties.items())} if runner.properties else None,
+        **extra,
     }
 
 
@@ -144,6 +171,8 @@ def cmd_check(ns: argparse.Namespace, cfg: RunConfig) -> int:
               f"{len(findings)} finding(s) so far{written}", file=sys.stderr)
         return 128 + int(interrupted)
     print(summary_table(runner, findings))
+    if cfg.bitwise:
+        print("\n" + bitwise_table(runner))
     rate = runner.cases_run / runner.run_seconds if runner.run_seconds else 0.0
     print(f"\n{runner.cases_run} cases in {elapsed:.1f}s ({rate:.1f} cases/s excluding pool start-up), "
           f"{len(findings)} finding(s)")
@@ -183,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="run the randomized conformance checks against a target")
     options.add_argparse(check, ("target", "device", "collective_timeout", "case_timeout", "tp", "profile", "seed",
-                                 "known", "strict_known"))
+                                 "known", "strict_known", "bitwise"))
     check.add_argument("--json", metavar="FILE", help="write the results as JSON")
     check.add_argument("--no-shrink", action="store_true", help="report failures without shrinking them")
     check.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
@@ -193,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
         feature.add_arguments(check)
     check.set_defaults(func=cmd_check)
     repro = sub.add_parser("repro", help="re-run exactly one case (as printed in a finding)")
-    options.add_argparse(repro, ("target", "device", "collective_timeout", "case_timeout"))
+    options.add_argparse(repro, ("target", "device", "collective_timeout", "case_timeout", "bitwise"))
     repro.add_argument("case", help="case spec, e.g. 'kernel:tp=2,T=5,v_local=4,...'")
     repro.set_defaults(func=cmd_repro)
     for command in SUBCOMMANDS:

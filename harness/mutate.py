@@ -14,6 +14,7 @@ from typing import Any
 
 from cases.benchmarks import PERF_CASES
 from harness import options, perf_gate
+from harness.checks import all_checks
 from harness.engine.explorer import explore, run_corpus
 from harness.engine.pool import WorkerPool
 from harness.engine.runner import Runner
@@ -46,10 +47,18 @@ class HuntResult:
         return not self.fired if self.name == CLEAN else self.killed
 
 
+def needs_bitwise(expected: tuple[str, ...]) -> bool:
+    """A mutant meant to be caught by an opt-in bitwise check is hunted with that family on."""
+    checks = all_checks(bitwise=True)
+    return any(c in checks and checks[c].family == "bitwise" for c in expected)
+
+
 def hunt(spec: str, name: str, expected: tuple[str, ...], tps: list[int], pools: dict[int, WorkerPool],
-         budget: int, seed: int, collective_timeout_s: float) -> HuntResult:
-    """Corpus, then up to `budget` random cases per level, stopping once every expected check fired."""
-    runner = Runner(spec, collective_timeout_s=collective_timeout_s, pools=pools)
+         budget: int, seed: int, collective_timeout_s: float, bitwise: bool = False) -> HuntResult:
+    """Corpus, then up to `budget` random cases per level, stopping once every expected check fired.
+    `bitwise`: the opt-in bitwise checks too (always when an expected check is one of them)."""
+    runner = Runner(spec, collective_timeout_s=collective_timeout_s, pools=pools,
+                    bitwise=bitwise or needs_bitwise(expected))
     result = HuntResult(name, expected)
     start = time.perf_counter()
 
@@ -98,14 +107,16 @@ class BaselineHunter:
 
 
 def run_catalog(names: list[str] | None, tps: list[int], pools: dict[int, WorkerPool], budget: int = 60,
-                seed: int = 0, collective_timeout_s: float = 5.0, include_clean: bool = True) -> list[HuntResult]:
-    """Hunt every named mutant (all by default) and, first, the clean routine."""
+                seed: int = 0, collective_timeout_s: float = 5.0, include_clean: bool = True,
+                bitwise: bool = False) -> list[HuntResult]:
+    """Hunt every named mutant (all by default) and, first, the clean routine (with the bitwise
+    checks too when `bitwise`)."""
     entries: dict[str, Mutant] = catalog()
     chosen = [entries[n] for n in (names or sorted(entries))]
     results = []
     baseline_hunter = BaselineHunter(tps, pools)
     if include_clean:
-        results.append(hunt(DEFAULT_TARGET, CLEAN, (), tps, pools, budget, seed, collective_timeout_s))
+        results.append(hunt(DEFAULT_TARGET, CLEAN, (), tps, pools, budget, seed, collective_timeout_s, bitwise))
     for m in chosen:
         sizes = [tp for tp in tps if tp in m.tp]
         if m.needs_baseline:
@@ -148,7 +159,8 @@ def cmd_mutate(ns: argparse.Namespace, cfg: RunConfig) -> int:
     pools: dict[int, WorkerPool] = {} if own else cfg.pools
     start = time.perf_counter()
     try:
-        results = run_catalog(ns.mutants or None, cfg.tp, pools, ns.budget, ns.seed, cfg.collective_timeout_s)
+        results = run_catalog(ns.mutants or None, cfg.tp, pools, ns.budget, ns.seed, cfg.collective_timeout_s,
+                              bitwise=cfg.bitwise)
     finally:
         for pool in pools.values() if own else ():
             pool.close()
@@ -174,6 +186,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", type=options.positive_int, default=60,
                    help="random cases per level before a mutant survives")
     # A short collective timeout: a rank-divergent mutant then costs seconds, not minutes.
-    options.add_argparse(p, ("tp", "seed", "collective_timeout"), collective_timeout=5.0)
+    options.add_argparse(p, ("tp", "seed", "collective_timeout", "bitwise"), collective_timeout=5.0)
     p.add_argument("--markdown", metavar="FILE", help="also write the kill matrix as markdown")
     p.set_defaults(func=cmd_mutate)

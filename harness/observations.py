@@ -62,6 +62,9 @@ class Observation:
     memory: dict[str, Any] = field(default_factory=dict)  # `meters.memory.Meter.figures`
     n_forward_collectives: Optional[int] = None  # wrapper: how many of the trace's collectives the forward issued
     kernel_pass: Optional[KernelPass] = None
+    # A call without autograd (no_grad, inference_mode): the outputs of the same call on the
+    # training path, (log_prob, entropy), which it must equal bit for bit.
+    training: Optional[tuple[Values, Values]] = None
     traceback: str = ""
 
 

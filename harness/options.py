@@ -110,6 +110,8 @@ OPTIONS: dict[str, Option] = {o.dest: o for o in (
            "fail the run; entries that match nothing are reported as stale", None, metavar="FILE"),
     Option("--strict-known", "with --known: known findings and stale entries fail the run too "
            "(`--strict` on the CLI)", False, cli_aliases=("--strict",), action="store_true"),
+    Option("--bitwise", "also run the opt-in bitwise checks (determinism, batch invariance) and "
+           "print which hold per configuration", False, action="store_true"),
 )}
 
 
@@ -139,6 +141,7 @@ class RunConfig:
     pools: dict | None = None
     known: str | None = None  # the --known file
     case_timeout_s: float | None = None
+    bitwise: bool = False
 
     @classmethod
     def from_options(cls, get: Callable[[str], Any], pools: dict | None = None) -> "RunConfig":
@@ -151,4 +154,4 @@ class RunConfig:
                 got = None
             return OPTIONS[name].default if got is None else got
         return cls(value("target"), list(value("tp")), value("device"), value("collective_timeout"), pools,
-                   value("known"), value("case_timeout"))
+                   value("known"), value("case_timeout"), bool(value("bitwise")))

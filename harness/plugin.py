@@ -24,7 +24,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     # $CI, else dev) and the seed to Hypothesis's derandomized one.
     options.add_pytest(parser.getgroup("logprob-harness"),
                        ("target", "tp", "device", "collective_timeout", "case_timeout", "profile", "seed", "known",
-                        "strict_known"),
+                        "strict_known", "bitwise"),
                        profile=None, seed=None)
 
 

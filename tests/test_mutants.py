@@ -18,7 +18,7 @@ TPS = [1, 2, 4]
 def _cover() -> list[str]:
     """Greedy set cover of the registered checks by the mutants' expected checks."""
     entries = {n: m for n, m in catalog().items() if not m.needs_baseline}
-    left = set(all_checks())
+    left = set(all_checks(bitwise=True))
     chosen = []
     while left:
         name = max(sorted(entries), key=lambda n: len(left & set(entries[n].expected)))
@@ -32,12 +32,12 @@ def _cover() -> list[str]:
 
 def test_every_check_is_expected_to_kill_some_mutant():
     expected = {c for m in catalog().values() for c in m.expected}
-    unkillable = set(all_checks()) - expected
+    unkillable = set(all_checks(bitwise=True)) - expected
     assert not unkillable, f"checks no mutant exercises (a check that cannot fail is a defect): {unkillable}"
 
 
 def test_every_mutant_names_registered_checks():
-    checks = set(all_checks())
+    checks = set(all_checks(bitwise=True))
     for m in catalog().values():
         assert set(m.expected) <= checks | {e for e in m.expected if e.startswith("perf-")}, m
         assert m.defect and m.expected
@@ -56,7 +56,8 @@ def test_fast_subset_is_killed_by_expected_checks(harness_pools):
     results = run_catalog(names, TPS, harness_pools, budget=40, collective_timeout_s=6)
     _assert_all_killed(results)
     fired = {c for r in results if r.name != CLEAN for c in r.fired if c in r.expected}
-    assert fired == set(all_checks()), f"checks never seen failing: {set(all_checks()) - fired}"
+    every = set(all_checks(bitwise=True))
+    assert fired == every, f"checks never seen failing: {every - fired}"
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from cases.case import Case
+from cases.case import AUTOGRAD_OFF, Case
 from harness.checks import oracle, tolerance
 from harness.observations import Observation, RankResult
 from harness.targets import Target
@@ -61,6 +61,15 @@ class Evidence:
 
 CheckFn = Callable[[Evidence], list[str]]
 
+# What a check may read that a call context does not have: (contexts, why). A check that would apply
+# to a case in the training context but reads one of these says "not applied: why" instead.
+CONTEXT_LIMITS: dict[str, tuple[tuple[str, ...], str]] = {
+    "autograd": (AUTOGRAD_OFF, "autograd is off, so there is no graph, gradient or retained memory to check"),
+    "call-memory": (("two_calls",), "one backward serves both calls, so one call's backward memory "
+                                    "cannot be told apart"),
+}
+FAMILIES = ("default", "bitwise")  # bitwise: opt-in (`--bitwise`)
+
 
 @dataclass(frozen=True)
 class Check:
@@ -72,9 +81,29 @@ class Check:
     needs: str | None
     min_tp: int
     doc: str
+    reads: tuple[str, ...] = ()  # CONTEXT_LIMITS keys
+    family: str = "default"
+
+    def context_note(self, case: Case) -> str | None:
+        """Why the case's call context leaves this check nothing to read, or None."""
+        context = getattr(case, "context", "train")
+        for what in self.reads:
+            contexts, why = CONTEXT_LIMITS[what]
+            if context in contexts:
+                return f"{context}: {why}"
+        return None
 
     def applicable(self, case: Case, target: Target) -> bool:
-        return case.level in self.levels and case.tp >= self.min_tp and self.applies(case, target)
+        return case.level in self.levels and case.tp >= self.min_tp and self.applies(case, target) \
+            and self.context_note(case) is None
+
+    def not_applied(self, case: Case, target: Target) -> str | None:
+        """"not applied: why", for a case the check would apply to in the training context but
+        cannot in the case's own; None when it applies, or would not apply in any context."""
+        note = self.context_note(case)
+        if note is None or case.level not in self.levels or case.tp < self.min_tp:
+            return None
+        return f"not applied: {note}" if self.applies(case.replace(context="train"), target) else None
 
 
 REGISTRY: dict[str, Check] = {}
@@ -83,16 +112,23 @@ REGISTRY: dict[str, Check] = {}
 def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
           applies: Callable[[Case, Target], bool] = lambda c, t: True,
           twin: Callable[[Case], Case | None] | None = None,
-          needs: str | None = "backward", min_tp: int = 1) -> Callable[[CheckFn], CheckFn]:
+          needs: str | None = "backward", min_tp: int = 1, reads: tuple[str, ...] = (),
+          family: str = "default") -> Callable[[CheckFn], CheckFn]:
     """Register a check. `needs`: the stage ("forward" or "backward") every rank must have completed
     for the check to have evidence (a rank that raised earlier is `crash`'s finding); None: always.
     `twin`: a second case the check compares against (run on its own pool), or None to skip.
-    `min_tp`: the smallest TP size at which the check can fail at all."""
+    `min_tp`: the smallest TP size at which the check can fail at all. `reads`: what of a call the
+    check reads that some call contexts lack (CONTEXT_LIMITS). `family`: "bitwise" checks run only
+    when asked for (`--bitwise`)."""
+    unknown = set(reads) - set(CONTEXT_LIMITS)
+    if unknown or family not in FAMILIES:
+        raise ValueError(f"check {name!r}: unknown reads {sorted(unknown)} or family {family!r}")
+
     def register(fn: CheckFn) -> CheckFn:
         if name in REGISTRY:
             raise ValueError(f"check {name!r} registered twice")
         REGISTRY[name] = Check(name, levels, fn, applies, twin, needs, min_tp,
-                               (fn.__doc__ or "").strip())
+                               (fn.__doc__ or "").strip(), tuple(reads), family)
         return fn
     return register
 
@@ -100,11 +136,42 @@ def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
 # The performance gate's checks (`harness.perf_gate`): they compare a run with a saved baseline,
 # not one case with the oracle, so they are not in the registry; findings and known entries name them.
 BASELINE_CHECKS = ("perf-time", "perf-instructions", "perf-collectives", "perf-memory")
-CHECK_MODULES = ("common", "kernel", "memory", "wrapper")  # the order of summaries, JSON and test ids
+CHECK_MODULES = ("common", "kernel", "memory", "wrapper", "bitwise")  # the order of summaries, JSON and test ids
 
 
-def all_checks() -> dict[str, Check]:
-    """Every registered check, module by module in CHECK_MODULES order, whatever imported them first."""
+def all_checks(bitwise: bool = False) -> dict[str, Check]:
+    """Every registered check, module by module in CHECK_MODULES order, whatever imported them
+    first; the opt-in bitwise family only when `bitwise`."""
     modules = [importlib.import_module(f"{__name__}.{m}") for m in CHECK_MODULES]
     names = [m.__name__ for m in modules]
-    return dict(sorted(REGISTRY.items(), key=lambda kv: names.index(kv[1].fn.__module__)))
+    return dict(sorted(((k, c) for k, c in REGISTRY.items() if bitwise or c.family != "bitwise"),
+                       key=lambda kv: names.index(kv[1].fn.__module__)))
+
+
+def bitwise_diff(a: Any, b: Any, what: str) -> list[str]:
+    """Where two results differ in their bits (not merely in value: -0.0 differs from 0.0, and
+    one NaN from another), as failure messages; [] when identical."""
+    if a is None and b is None:
+        return []
+    if isinstance(a, list) or isinstance(b, list):
+        if not isinstance(a, list) or not isinstance(b, list) or len(a) != len(b):
+            return [f"{what}: {_kind(a)} vs {_kind(b)}"]
+        return [p for i, (x, y) in enumerate(zip(a, b)) for p in bitwise_diff(x, y, f"{what}[{i}]")]
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return [f"{what}: {_kind(a)} vs {_kind(b)}"]
+    if a.dtype != b.dtype or a.numel() != b.numel():
+        return [f"{what}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"]
+    x, y = a.detach().reshape(-1), b.detach().reshape(-1)
+    if x.is_floating_point():
+        ints = {8: torch.int64, 4: torch.int32, 2: torch.int16}[x.element_size()]
+        x, y = x.contiguous().view(ints), y.contiguous().view(ints)
+    differ = x != y
+    if not differ.any():
+        return []
+    i = int(differ.nonzero()[0])
+    return [f"{what}: {int(differ.sum())} of {x.numel()} elements differ in their bits, first at flat index {i}: "
+            f"{a.detach().reshape(-1)[i].item()!r} vs {b.detach().reshape(-1)[i].item()!r}"]
+
+
+def _kind(x: Any) -> str:
+    return f"a list of {len(x)}" if isinstance(x, list) else type(x).__name__

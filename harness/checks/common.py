@@ -2,7 +2,7 @@
 rank issues the same collectives, and the caller's inputs survive."""
 from __future__ import annotations
 
-from harness.checks import Evidence, check
+from harness.checks import Evidence, bitwise_diff, check
 from harness.meters.trace import fmt_event
 from harness.observations import HANG_KINDS
 
@@ -46,6 +46,21 @@ def collectives(ev: Evidence) -> list[str]:
     first = next(i for i in range(max(map(len, seqs))) if len({tuple(s[i:i + 1]) for s in seqs}) > 1)
     detail = "; ".join(f"rank {r}: {fmt_event(s[first]) if first < len(s) else 'nothing'}" for r, s in enumerate(seqs))
     return [f"ranks diverge: {counts}; first difference at collective #{first + 1}: {detail}"]
+
+
+@check("inference-path", applies=lambda c, t: c.T > 0 and not c.autograd)
+def inference_path(ev: Evidence) -> list[str]:
+    """A call under torch.no_grad() or torch.inference_mode() (how trainers recompute old-policy
+    and reference log-probs) returns what the training path returns on the same inputs, bit for
+    bit, keep mask, temperature and top-p included."""
+    problems = []
+    for r in ev.ranks:
+        if r.obs.training is None:
+            continue
+        lp, ent = r.obs.training
+        problems += bitwise_diff(r.obs.log_prob, lp, f"rank {r.rank} log_prob ({ev.case.context} vs training path)")
+        problems += bitwise_diff(r.obs.entropy, ent, f"rank {r.rank} entropy ({ev.case.context} vs training path)")
+    return problems
 
 
 @check("input-integrity", needs="forward")

@@ -25,9 +25,10 @@ def values(ev: Evidence) -> list[str]:
     return problems
 
 
-@check("gradients", levels=KERNEL, applies=lambda c, t: c.T > 0 and c.has_backward)
+@check("gradients", levels=KERNEL, applies=lambda c, t: c.T > 0 and c.has_backward, reads=("autograd",))
 def gradients(ev: Evidence) -> list[str]:
-    """The local gradient is the local slice of the oracle's gradient of sum(w1*lp) + sum(w2*H)."""
+    """The local gradient is the local slice of the oracle's gradient of sum(w1*lp) + sum(w2*H);
+    with two calls (accumulated microbatches, or two losses summed in one graph), the sum of both."""
     grad = ev.full_grad()
     if grad is None:
         return ["no gradient reached the logits (log_prob is not differentiable)"]
@@ -37,15 +38,16 @@ def gradients(ev: Evidence) -> list[str]:
 
 @check("grad-flags", levels=KERNEL, needs="forward")
 def grad_flags(ev: Evidence) -> list[str]:
-    """entropy.requires_grad == with_entropy and with_entropy_grad and logits.requires_grad;
-    entropy is None exactly when not requested; log_prob follows the logits."""
+    """entropy.requires_grad == with_entropy and with_entropy_grad and logits.requires_grad (and
+    autograd on: nothing carries a gradient under no_grad / inference_mode); entropy is None
+    exactly when not requested; log_prob follows the logits."""
     c: KernelCase = ev.case
     problems = []
     for r in ev.ranks:
         lp, ent = r.obs.log_prob_meta, r.obs.entropy_meta
-        if lp and lp.requires_grad != c.requires_grad:
+        if lp and lp.requires_grad != c.grad_on:
             problems.append(f"rank {r.rank}: log_prob.requires_grad={lp.requires_grad}, "
-                            f"logits.requires_grad={c.requires_grad}")
+                            f"logits.requires_grad={c.requires_grad}, context {c.context}")
         if c.with_entropy and ent is None:
             problems.append(f"rank {r.rank}: with_entropy=True but entropy is None")
         if not c.with_entropy and ent is not None:
@@ -53,7 +55,8 @@ def grad_flags(ev: Evidence) -> list[str]:
         if ent is not None and c.with_entropy and ent.requires_grad != c.expects_entropy_grad:
             problems.append(
                 f"rank {r.rank}: entropy.requires_grad={ent.requires_grad}, expected {c.expects_entropy_grad} "
-                f"(with_entropy_grad={c.with_entropy_grad}, logits.requires_grad={c.requires_grad})")
+                f"(with_entropy_grad={c.with_entropy_grad}, logits.requires_grad={c.requires_grad}, "
+                f"context {c.context})")
     return problems
 
 

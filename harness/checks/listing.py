@@ -28,7 +28,11 @@ def _mutants_by_check() -> dict[str, list[str]]:
 
 def _rows() -> list[tuple[Check, list[str]]]:
     mutants = _mutants_by_check()
-    return [(chk, mutants.get(name, [])) for name, chk in all_checks().items()]
+    return [(chk, mutants.get(name, [])) for name, chk in all_checks(bitwise=True).items()]
+
+
+def _opt_in(chk: Check) -> str:
+    return " (opt-in: `--bitwise`)" if chk.family == "bitwise" else ""
 
 
 def markdown() -> str:
@@ -36,7 +40,7 @@ def markdown() -> str:
              "|---|---|---|---|---|"]
     for chk, mutants in _rows():
         caught = ", ".join(f"`{m}`" for m in mutants) or "-"
-        lines.append(f"| `{chk.name}` | {', '.join(chk.levels)} | {chk.min_tp} | "
+        lines.append(f"| `{chk.name}`{_opt_in(chk)} | {', '.join(chk.levels)} | {chk.min_tp} | "
                      f"{_one_line(chk.doc).replace('|', '&#124;')} | {caught} |")
     return "\n".join(lines)
 
@@ -44,7 +48,7 @@ def markdown() -> str:
 def plain() -> str:
     blocks = []
     for chk, mutants in _rows():
-        head = f"{chk.name}  [{', '.join(chk.levels)}; TP >= {chk.min_tp}]"
+        head = f"{chk.name}  [{', '.join(chk.levels)}; TP >= {chk.min_tp}]{_opt_in(chk).replace('`', '')}"
         body = f"    {_one_line(chk.doc)}"
         if mutants:
             body += f"\n    catches: {', '.join(mutants)}"

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from cases.case import KernelCase, WrapperCase
+from cases.case import NONCONTIGUOUS, KernelCase, WrapperCase
 from harness.checks import Evidence, check
 from harness.meters import memory
 
@@ -61,7 +61,7 @@ def _compare_retained(ev: Evidence, twin: Evidence, what: str) -> list[str]:
 
 @check("memory-metric-only", levels=("kernel",),
        applies=lambda c, t: c.T > 0 and c.requires_grad and c.with_entropy and not c.with_entropy_grad,
-       twin=lambda c: c.replace(with_entropy=False, with_entropy_grad=True, loss_terms="both"))
+       twin=lambda c: c.replace(with_entropy=False, with_entropy_grad=True, loss_terms="both"), reads=("autograd",))
 def metric_only(ev: Evidence) -> list[str]:
     """A metric-only entropy (with_entropy_grad=False) retains no more than the log-prob-only call
     plus O(T) bytes, in every dtype and with or without a keep mask."""
@@ -70,7 +70,7 @@ def metric_only(ev: Evidence) -> list[str]:
 
 @check("memory-coef-zero", levels=("wrapper",),
        applies=lambda c, t: c.T > 0 and c.with_entropy and not c.expects_entropy_grad,
-       twin=lambda c: c.replace(with_entropy=False))
+       twin=lambda c: c.replace(with_entropy=False), reads=("autograd",))
 def coef_zero(ev: Evidence) -> list[str]:
     """slime #2153: with entropy_coef == 0 (or absent) the wrapper retains what its log-prob-only
     call (with_entropy=False) retains, plus O(T) bytes."""
@@ -78,7 +78,8 @@ def coef_zero(ev: Evidence) -> list[str]:
 
 
 @check("memory-chunk-passthrough", levels=("wrapper",),
-       applies=lambda c, t: c.kernel_comparable and c.temperature in (None, 1.0) and t.kernel is not None)
+       applies=lambda c, t: c.kernel_comparable and c.temperature in (None, 1.0) and t.kernel is not None,
+       reads=("autograd", "call-memory"))
 def chunk_passthrough(ev: Evidence) -> list[str]:
     """NeMo-RL #2871: args.log_probs_chunk_size reaches the kernel. The wrapper's retained and peak
     bytes match the target kernel's own at that chunk size on the same rows (temperature 1, no
@@ -109,10 +110,10 @@ def _backward_reaches_all(c: Any, t: Any) -> bool:
     output left out keeps its own graph alive, legitimately, as long as it lives)."""
     if isinstance(c, KernelCase):
         return c.T > 0 and c.has_backward and (c.loss_terms == "both" or not c.expects_entropy_grad)
-    return c.T > 0 and sum(c.response_lengths) > 0
+    return c.T > 0 and sum(c.response_lengths) > 0 and c.grad_on
 
 
-@check("memory-backward-frees", applies=_backward_reaches_all)
+@check("memory-backward-frees", applies=_backward_reaches_all, reads=("autograd",))
 def backward_frees(ev: Evidence) -> list[str]:
     """What the forward retained is freed by the backward (its outputs, which the caller holds,
     excepted), within O(T): nothing [T, V_local]-sized outlives the step, on ctx or elsewhere."""
@@ -129,10 +130,12 @@ def backward_frees(ev: Evidence) -> list[str]:
 def wrapper_allowance(c: Any) -> float:
     """Units of T*V_local*4 a wrapper case may add to the budget: dividing by a temperature
     (which must not happen in place) materialises a float32 copy of the logits, which the kernel may
-    save as its input; top-p replay builds a bool keep mask."""
+    save as its input; top-p replay builds a bool keep mask. Any case: non-contiguous logits may be
+    copied to a contiguous buffer, which the kernel may save."""
+    copy = 1.0 if getattr(c, "layout", "contiguous") in NONCONTIGUOUS else 0.0
     if not isinstance(c, WrapperCase):
-        return 0.0
-    return (1.0 if c.temperature not in (None, 1.0) else 0.0) + (0.25 if c.top_p != "none" else 0.0)
+        return copy
+    return copy + (1.0 if c.temperature not in (None, 1.0) else 0.0) + (0.25 if c.top_p != "none" else 0.0)
 
 
 def budget_use(c: Any, nbytes: int) -> float:
@@ -142,7 +145,7 @@ def budget_use(c: Any, nbytes: int) -> float:
     return (nbytes - memory.budget_slack(c.T)) / memory.unit(c.T, c.v_local) - wrapper_allowance(c)
 
 
-@check("memory-budget", applies=lambda c, t: c.T > 0 and bool(t.memory_budget))
+@check("memory-budget", applies=lambda c, t: c.T > 0 and bool(t.memory_budget), reads=("call-memory",))
 def budget(ev: Evidence) -> list[str]:
     """The target's declared HARNESS_MEMORY_BUDGET: each figure (retained, peak_forward,
     peak_backward) at most its multiple of T*V_local*4 bytes plus O(T) (plus, for a wrapper, the

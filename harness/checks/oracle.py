@@ -37,15 +37,23 @@ def expected(case: Case) -> Expected:
     return _wrapper(case)
 
 
+def _abs_sum(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    """The weight that bounds the error of two calls' summed gradients (one call: its own)."""
+    return a if a is None or b is None else a.abs() + b.abs()
+
+
 def _kernel(case: KernelCase) -> Expected:
     inp = case.inputs()
     x = inp.logits.to(torch.float64)
-    w2 = inp.w_entropy if case.expects_entropy_grad else None
     grad = grad_tol = None
-    if case.requires_grad:
-        grad = reference.logits_grad(x, inp.tokens, inp.keep_mask, inp.w_log_prob, w2)
-        grad_tol = grad_bound(x, inp.tokens, inp.keep_mask, inp.w_log_prob, w2, tp=case.tp, dtype=case.dtype,
-                              grad=grad)
+    w_lp, w_ent = inp.total_weights()  # two calls into one gradient: the gradient is linear in the weights
+    w2 = w_ent if case.expects_entropy_grad else None
+    if case.grad_on:
+        grad = reference.logits_grad(x, inp.tokens, inp.keep_mask, w_lp, w2)
+        # The error of two calls' summed gradients is bounded by the sum of their weights' sizes.
+        w1_abs = _abs_sum(inp.w_log_prob, inp.w_log_prob_2)
+        w2_abs = _abs_sum(inp.w_entropy, inp.w_entropy_2) if w2 is not None else None
+        grad_tol = grad_bound(x, inp.tokens, inp.keep_mask, w1_abs, w2_abs, tp=case.tp, dtype=case.dtype, grad=grad)
     lp_tol, ent_tol = value_bounds(x, inp.tokens, inp.keep_mask, tp=case.tp)
     return Expected(
         log_prob=reference.log_probs(x, inp.tokens, inp.keep_mask),
@@ -67,8 +75,13 @@ def _wrapper(case: WrapperCase) -> Expected:
                   with_entropy=case.with_entropy, top_p_token_ids=inp.top_p_token_ids,
                   top_p_token_offsets=inp.top_p_token_offsets)
     out = reference.wrapper_outputs(inp.logits, args, **common)
-    w2 = inp.w_entropy if out["entropy_requires_grad"] else None
-    grad = reference.wrapper_logits_grad(inp.logits, args, w_log_probs=inp.w_log_probs, w_entropy=w2, **common)
+    w_lp, w_ent = inp.total_weights()  # two calls into one gradient: the gradient is linear in the weights
+    w2 = w_ent if out["entropy_requires_grad"] else None
+    grad = reference.wrapper_logits_grad(inp.logits, args, w_log_probs=w_lp, w_entropy=w2, **common) \
+        if case.grad_on else None
+    if inp.w_log_probs_2 is not None:  # the error bound of two summed gradients
+        w_lp = [a.abs() + b.abs() for a, b in zip(inp.w_log_probs, inp.w_log_probs_2)]
+        w2 = [a.abs() + b.abs() for a, b in zip(inp.w_entropy, inp.w_entropy_2)] if w2 is not None else None
     # The bounds are those of the kernel on the rows the wrapper hands it: the logits divided by the
     # temperature (one more float32 rounding of the input when it is not 1), shifted targets, the
     # replayed keep mask, and the response weights; the chain rule through 1/t scales the gradient.
@@ -80,10 +93,12 @@ def _wrapper(case: WrapperCase) -> Expected:
                                      inp.top_p_token_offsets)
     rounded = t != 1.0
     lp_tol, ent_tol = value_bounds(z, tokens, mask, tp=case.tp, input_rounded=rounded)
-    w1_rows = _scatter(inp.w_log_probs, rows, case.T)
-    w2_rows = _scatter(w2, rows, case.T) if w2 is not None else None
-    grad_tol = grad_bound(z, tokens, mask, w1_rows, w2_rows, tp=case.tp, input_rounded=rounded,
-                          grad=grad * t) / abs(t)
+    grad_tol = None
+    if grad is not None:
+        w1_rows = _scatter(w_lp, rows, case.T)
+        w2_rows = _scatter(w2, rows, case.T) if w2 is not None else None
+        grad_tol = grad_bound(z, tokens, mask, w1_rows, w2_rows, tp=case.tp, input_rounded=rounded,
+                              grad=grad * t) / abs(t)
     return Expected(
         log_prob=out["log_probs"], entropy=out["entropy"], grad=grad,
         entropy_requires_grad=out["entropy_requires_grad"],

@@ -46,7 +46,7 @@ def extraction(ev: Evidence) -> list[str]:
     return problems
 
 
-@check("entropy-coef-rule", levels=WRAPPER, applies=lambda c, t: c.with_entropy, needs=None)
+@check("entropy-coef-rule", levels=WRAPPER, applies=lambda c, t: c.with_entropy, needs=None, reads=("autograd",))
 def entropy_coef_rule(ev: Evidence) -> list[str]:
     """slime PR #2153: the wrapper's entropy is differentiable exactly when entropy_coef != 0
     (absent and -0.0 are zero; a negative coefficient is a coefficient), whoever calls it."""
@@ -86,7 +86,7 @@ def top_p_replay(ev: Evidence) -> list[str]:
     return _per_sample(ev, "log_prob", "log-probs under top-p replay") + _per_sample(ev, "entropy", "entropy (never masked)")
 
 
-@check("wrapper-gradients", levels=WRAPPER, applies=lambda c, t: sum(c.response_lengths) > 0)
+@check("wrapper-gradients", levels=WRAPPER, applies=lambda c, t: sum(c.response_lengths) > 0, reads=("autograd",))
 def wrapper_gradients(ev: Evidence) -> list[str]:
     """Gradient w.r.t. the raw logits shard, including the entropy term exactly when entropy_coef != 0."""
     grad = ev.full_grad()

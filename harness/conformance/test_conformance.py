@@ -37,7 +37,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     except TargetError as e:
         raise pytest.UsageError(f"harness: error: {e}") from None
     params, ids = [], []
-    for name, chk in all_checks().items():
+    for name, chk in all_checks(bitwise=config.getoption("bitwise")).items():
         for level in chk.levels:
             if level not in target.levels:
                 continue

@@ -3,6 +3,8 @@ production code finds it. The one place that slices shards and weighs outputs, f
 (`executor`) and the timing and instruction-count jobs (`perf_jobs`) alike."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -12,12 +14,77 @@ import torch.distributed as dist
 from cases.case import KernelCase
 from harness.targets import Target
 
+_PAD = 2  # rows of other data around an "offset" slice
+
 
 def shard(t: torch.Tensor | None, rank: int, v_local: int, device: torch.device) -> torch.Tensor | None:
     """This rank's contiguous slice of the last (vocab) dimension; rank r owns [r*v_local, (r+1)*v_local)."""
     if t is None:
         return None
     return t[..., rank * v_local:(rank + 1) * v_local].contiguous().to(device)
+
+
+def _filler(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """Other data around a view: finite values unlike any logit, so a misread shows."""
+    n = 1
+    for d in shape:
+        n *= d
+    return (torch.arange(n, dtype=torch.float64).reshape(shape) % 7 * 97.0 + 1000.0).to(like.dtype).to(like.device)
+
+
+def laid_out(t: torch.Tensor, layout: str, requires_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(source, logits)`: the caller's tensor `source` (a leaf, requiring grad when asked) and the
+    `[T, V]` logits handed to the routine, laid out as `layout` says (cases.case.LAYOUTS), with the
+    values of `t`. The gradient w.r.t. the logits is `grad_of(source.grad, layout)`."""
+    T, V = t.shape
+    if layout in ("contiguous", "nonleaf"):
+        source = t  # shard() made it this rank's own tensor
+    elif layout == "transposed":
+        source = t.t().contiguous()
+    elif layout == "row_strided":
+        source = torch.stack([t, _filler((T, V), t)], dim=1).reshape(2 * T, V)
+    elif layout == "col_strided":
+        source = torch.stack([t, _filler((T, V), t)], dim=2).reshape(T, 2 * V)
+    elif layout == "offset":
+        source = torch.cat([_filler((_PAD, V), t), t, _filler((_PAD, V), t)])
+    else:
+        raise ValueError(f"unknown layout {layout!r}")
+    source.requires_grad_(requires_grad)
+    return source, view_of(source, layout)
+
+
+def view_of(source: torch.Tensor, layout: str) -> torch.Tensor:
+    """The logits `laid_out` hands over, from its source (or the gradient of the logits, from the
+    source's gradient)."""
+    if layout == "transposed":
+        return source.t()
+    if layout == "row_strided":
+        return source[::2]
+    if layout == "col_strided":
+        return source[:, ::2]
+    if layout == "offset":
+        return source[_PAD:source.shape[0] - _PAD]
+    if layout == "nonleaf" and source.requires_grad:
+        return source * 1.0  # the output of an op; exact in every dtype (-0.0, inf, nan kept)
+    return source
+
+
+def tokens_laid_out(tokens: torch.Tensor, layout: str) -> torch.Tensor:
+    """int64 tokens as a view or a slice of a larger buffer (cases.case.TOKEN_LAYOUTS)."""
+    if layout == "strided":
+        return torch.stack([tokens, torch.full_like(tokens, -7)], dim=1).reshape(-1)[::2]
+    if layout == "offset":
+        return torch.cat([tokens.new_full((3,), -7), tokens, tokens.new_full((1,), -7)])[3:3 + tokens.numel()]
+    return tokens
+
+
+def grad_context(context: str) -> Any:
+    """The autograd mode of a call context (cases.case.CONTEXTS)."""
+    if context == "no_grad":
+        return torch.no_grad()
+    if context == "inference_mode":
+        return torch.inference_mode()
+    return contextlib.nullcontext()
 
 
 def weighted(out: Any, w: torch.Tensor | None, device: torch.device) -> Any:
@@ -53,28 +120,47 @@ def tp_coordinates() -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class KernelShard:
-    """A kernel case's inputs on one rank: the logits are a fresh leaf the caller owns."""
+    """A kernel case's inputs on one rank, laid out as the case says: `logits` is what the routine
+    gets, `source` the tensor the caller owns (a leaf; the same tensor for a contiguous layout)."""
     logits: torch.Tensor
     tokens: torch.Tensor
     keep_mask: torch.Tensor | None
     w_log_prob: torch.Tensor | None
     w_entropy: torch.Tensor | None
+    source: torch.Tensor | None = None
+    layout: str = "contiguous"
+    w_log_prob_2: torch.Tensor | None = None  # the second call's weights (two-call contexts)
+    w_entropy_2: torch.Tensor | None = None
 
     @classmethod
     def of(cls, case: KernelCase, rank: int, device: torch.device) -> "KernelShard":
         full = case.inputs()
-        logits = shard(full.logits, rank, case.v_local, device).requires_grad_(case.requires_grad)
-        return cls(logits, full.tokens.to(device), shard(full.keep_mask, rank, case.v_local, device),
-                   full.w_log_prob, full.w_entropy)
+        source, logits = laid_out(shard(full.logits, rank, case.v_local, device), case.layout, case.requires_grad)
+        tokens = tokens_laid_out(full.tokens.to(device), case.token_layout)
+        return cls(logits, tokens, shard(full.keep_mask, rank, case.v_local, device),
+                   full.w_log_prob, full.w_entropy, source, case.layout, full.w_log_prob_2, full.w_entropy_2)
 
     def call(self, target: Target, case: KernelCase, group: Any) -> tuple[Any, Any]:
         return target.kernel(self.logits, self.tokens, group, with_entropy=case.with_entropy,
                              chunk_size=case.chunk_size, log_prob_keep_mask=self.keep_mask,
                              with_entropy_grad=case.with_entropy_grad)
 
-    def loss(self, log_prob: Any, entropy: Any) -> Any:
+    def loss(self, log_prob: Any, entropy: Any, second: bool = False) -> Any:
         device = self.logits.device
-        return weighted(log_prob, self.w_log_prob, device) + weighted(entropy, self.w_entropy, device)
+        w1, w2 = (self.w_log_prob_2, self.w_entropy_2) if second else (self.w_log_prob, self.w_entropy)
+        return weighted(log_prob, w1, device) + weighted(entropy, w2, device)
+
+    def again(self) -> "KernelShard":
+        """The same inputs for another microbatch: the logits re-derived from the source (a new op
+        output for a non-leaf layout, as each microbatch's forward makes one)."""
+        if self.source is None:
+            return self
+        return dataclasses.replace(self, logits=view_of(self.source, self.layout))
+
+    def grad(self) -> torch.Tensor | None:
+        """The gradient w.r.t. the logits handed over, as accumulated in the caller's tensor."""
+        src = self.source if self.source is not None else self.logits
+        return None if src.grad is None else view_of(src.grad, self.layout if self.layout != "nonleaf" else "")
 
 
 def prepared_call(target: Target, case: KernelCase, rank: int, device: torch.device,
@@ -83,7 +169,7 @@ def prepared_call(target: Target, case: KernelCase, rank: int, device: torch.dev
     inputs = KernelShard.of(case, rank, device)
 
     def call() -> None:
-        inputs.logits.grad = None
+        (inputs.source if inputs.source is not None else inputs.logits).grad = None
         loss = inputs.loss(*inputs.call(target, case, group))
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
             loss.backward()

@@ -12,7 +12,8 @@ import torch
 
 import reference
 from cases.case import Case, KernelCase, WrapperCase
-from harness.engine.calls import KernelShard, shard, tp_coordinates, tp_group, weighted
+from harness.engine.calls import (KernelShard, grad_context, laid_out, shard, tokens_laid_out, tp_coordinates,
+                                  tp_group, view_of, weighted)
 from harness.meters import trace
 from harness.meters.memory import Meter
 from harness.observations import KernelPass, Observation, RankResult, TensorMeta
@@ -49,26 +50,51 @@ def _detached(t: Any) -> Any:
 
 def run_kernel(case: KernelCase, target: Target, rank: int, group: Any, device: torch.device,
                obs: Observation) -> None:
-    """Fills `obs` as it goes: a backward that raises leaves the forward's observations."""
+    """Fills `obs` as it goes: a backward that raises leaves the forward's observations. The call
+    runs in the case's context; a two-call context's second call is outside the memory meter's
+    forward (and, accumulating, its backward too), so the figures stay those of one call."""
     inp = KernelShard.of(case, rank, device)
     integrity = _Integrity(logits=inp.logits, tokens=inp.tokens, log_prob_keep_mask=inp.keep_mask)
     meter = Meter((inp.logits, inp.tokens, inp.keep_mask), device)
-    with meter.forward():
-        log_prob, entropy = inp.call(target, case, group)
-    meter.outputs(log_prob, entropy)
-    obs.log_prob, obs.entropy = _detached(log_prob), _detached(entropy)
-    obs.log_prob_meta, obs.entropy_meta = TensorMeta.of(log_prob), TensorMeta.of(entropy)
-    obs.integrity = integrity.problems("forward")
-    obs.stage = "forward"
-    loss = inp.loss(log_prob, entropy)
+    with grad_context(case.context):
+        with meter.forward():
+            log_prob, entropy = inp.call(target, case, group)
+        meter.outputs(log_prob, entropy)
+        obs.log_prob, obs.entropy = _detached(log_prob), _detached(entropy)
+        obs.log_prob_meta, obs.entropy_meta = TensorMeta.of(log_prob), TensorMeta.of(entropy)
+        obs.integrity = integrity.problems("forward")
+        obs.stage = "forward"
+        loss = inp.loss(log_prob, entropy)
+        if case.context == "two_calls":  # the same logits through a second call, one graph
+            loss = loss + inp.loss(*inp.call(target, case, group), second=True)
     if isinstance(loss, torch.Tensor) and loss.requires_grad:
         with meter.backward():
             loss.backward()
-        meter.gradients(inp.logits.grad)
-        obs.grad, obs.grad_meta = _detached(inp.logits.grad), TensorMeta.of(inp.logits.grad)
+        meter.gradients(inp.grad())
+        if case.context == "accumulate":  # a second microbatch into the same .grad
+            loss = inp.loss(*inp.again().call(target, case, group), second=True)
+            if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                loss.backward()
+        grad = inp.grad()
+        obs.grad, obs.grad_meta = _detached(grad), TensorMeta.of(grad)
         obs.integrity += integrity.problems("backward")
+    elif case.context == "accumulate":  # no backward: the second microbatch is a second call
+        inp.again().call(target, case, group)
     obs.memory = meter.figures
+    if not case.autograd and case.T > 0:
+        obs.training = training_kernel(case, target, rank, group, device)
     obs.stage = "backward"
+
+
+def training_kernel(case: KernelCase, target: Target, rank: int, group: Any, device: torch.device) -> tuple:
+    """The outputs of the same call on the training path (logits requiring grad, autograd on),
+    forward only: what a call without autograd must equal bit for bit. Its collectives stay out
+    of the job's trace."""
+    train = case.replace(context="train", requires_grad=True)
+    inp = KernelShard.of(train, rank, device)
+    with trace.recording():
+        log_prob, entropy = inp.call(target, train, group)
+    return _detached(log_prob), _detached(entropy)
 
 
 def wants_kernel_pass(case: Case, target: Target) -> bool:
@@ -76,57 +102,99 @@ def wants_kernel_pass(case: Case, target: Target) -> bool:
     return isinstance(case, WrapperCase) and case.kernel_comparable and target.kernel is not None
 
 
+class _WrapperCall:
+    """A wrapper case's inputs on one rank, laid out as the case says, and the call itself."""
+
+    def __init__(self, case: WrapperCase, target: Target, rank: int, device: torch.device, requires_grad: bool = True):
+        self.case, self.target, self.device = case, target, device
+        self.full = full = case.inputs()
+        self.values = shard(full.logits, rank, case.v_local, device)
+        self.source, x = laid_out(self.values, case.layout, requires_grad)
+        self.logits = x.unsqueeze(0)
+        tokens = [t.to(device) for t in full.unconcat_tokens]
+        if case.token_layout != "contiguous" and tokens:  # every sample's tokens a slice of one buffer
+            tokens = list(torch.split(tokens_laid_out(torch.cat(tokens), case.token_layout), list(case.total_lengths)))
+        self.tokens = tokens
+        self.top_p_ids, self.top_p_offsets = _to(full.top_p_token_ids, device), _to(full.top_p_token_offsets, device)
+
+    def __call__(self) -> tuple[list[torch.Tensor], Any]:
+        c = self.case
+        _, res = self.target.wrapper(
+            self.logits, args=c.args(), unconcat_tokens=self.tokens,
+            total_lengths=list(c.total_lengths), response_lengths=list(c.response_lengths),
+            with_entropy=c.with_entropy, top_p_token_ids=self.top_p_ids, top_p_token_offsets=self.top_p_offsets)
+        return list(res.get("log_probs", [])), res.get("entropy")
+
+    def loss(self, log_probs: list, entropy: Any, second: bool = False) -> Any:
+        f = self.full
+        w1, w2 = (f.w_log_probs_2, f.w_entropy_2) if second else (f.w_log_probs, f.w_entropy)
+        loss = sum((weighted(t, w, self.device) for t, w in zip(log_probs, w1)), 0.0)
+        if entropy is not None:
+            loss = loss + sum((weighted(t, w, self.device) for t, w in zip(entropy, w2)), 0.0)
+        return loss
+
+    def grad(self) -> torch.Tensor | None:
+        g = self.source.grad
+        return None if g is None else view_of(g, self.case.layout if self.case.layout != "nonleaf" else "")
+
+
 def run_wrapper(case: WrapperCase, target: Target, rank: int, device: torch.device, obs: Observation) -> None:
-    full = case.inputs()
-    logits = shard(full.logits, rank, case.v_local, device).unsqueeze(0).requires_grad_(True)
-    tokens = [t.to(device) for t in full.unconcat_tokens]
+    call = _WrapperCall(case, target, rank, device)
+    logits, tokens = call.logits, call.tokens
     integrity = _Integrity(logits=logits, **{f"tokens[{i}]": t for i, t in enumerate(tokens)})
-    top_p_ids, top_p_offsets = _to(full.top_p_token_ids, device), _to(full.top_p_token_offsets, device)
-    meter = Meter((logits, tokens, top_p_ids, top_p_offsets), device)
-    with meter.forward():
-        _, res = target.wrapper(
-            logits, args=case.args(), unconcat_tokens=tokens,
-            total_lengths=list(case.total_lengths), response_lengths=list(case.response_lengths),
-            with_entropy=case.with_entropy, top_p_token_ids=top_p_ids, top_p_token_offsets=top_p_offsets)
-    meter.outputs(res)
-    obs.n_forward_collectives = trace.count()
-    log_probs = list(res.get("log_probs", []))
-    entropy = res.get("entropy")
-    obs.log_prob = [_detached(t) for t in log_probs]
-    obs.log_prob_meta = [TensorMeta.of(t) for t in log_probs]
-    if entropy is not None:
-        obs.entropy = [_detached(t) for t in entropy]
-        obs.entropy_meta = [TensorMeta.of(t) for t in entropy]
-    obs.integrity = integrity.problems("forward")
-    obs.stage = "forward"
-    loss = sum((weighted(t, w, device) for t, w in zip(log_probs, full.w_log_probs)), 0.0)
-    if entropy is not None:
-        loss = loss + sum((weighted(t, w, device) for t, w in zip(entropy, full.w_entropy)), 0.0)
+    meter = Meter((logits, tokens, call.top_p_ids, call.top_p_offsets), device)
+    with grad_context(case.context):
+        with meter.forward():
+            log_probs, entropy = call()
+        meter.outputs(log_probs, entropy)
+        obs.n_forward_collectives = trace.count()
+        obs.log_prob = [_detached(t) for t in log_probs]
+        obs.log_prob_meta = [TensorMeta.of(t) for t in log_probs]
+        if entropy is not None:
+            obs.entropy = [_detached(t) for t in entropy]
+            obs.entropy_meta = [TensorMeta.of(t) for t in entropy]
+        obs.integrity = integrity.problems("forward")
+        obs.stage = "forward"
+        loss = call.loss(log_probs, entropy)
+        if case.context == "two_calls":
+            loss = loss + call.loss(*call(), second=True)
     if isinstance(loss, torch.Tensor) and loss.requires_grad:
         with meter.backward():
             loss.backward()
-        meter.gradients(logits.grad)
-        obs.grad = _detached(logits.grad[0]) if logits.grad is not None else None
+        meter.gradients(call.grad())
+        if case.context == "accumulate":
+            call.logits = view_of(call.source, case.layout).unsqueeze(0)  # the next microbatch's forward
+            loss = call.loss(*call(), second=True)
+            if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                loss.backward()
+        obs.grad = _detached(call.grad())
         obs.integrity += integrity.problems("backward")
+    elif case.context == "accumulate":
+        call()
     obs.memory = meter.figures
     if wants_kernel_pass(case, target):
-        obs.kernel_pass = kernel_pass(case, target, logits.detach(), device)
+        obs.kernel_pass = kernel_pass(case, target, call.values, device)
+    if not case.autograd and case.T > 0:
+        train = _WrapperCall(case.replace(context="train"), target, rank, device)
+        with trace.recording():
+            lps, ents = train()
+        obs.training = ([_detached(t) for t in lps], None if ents is None else [_detached(t) for t in ents])
     obs.stage = "backward"
 
 
-def kernel_pass(case: WrapperCase, target: Target, logits: torch.Tensor, device: torch.device) -> KernelPass:
+def kernel_pass(case: WrapperCase, target: Target, values: torch.Tensor, device: torch.device) -> KernelPass:
     """The target kernel on the wrapper's rows, at the case's chunk size and unchunked, called as
-    the wrapper calls it (a `[1, T, V_local]` leaf squeezed, shifted targets, the same per-sample
-    losses). Its collectives stay out of the job's trace. The temperature is left out: it changes
+    the wrapper calls it (a `[1, T, V_local]` leaf, laid out alike, squeezed, shifted targets, the
+    same per-sample losses), on the training path. Its collectives stay out of the job's trace. The temperature is left out: it changes
     neither the collectives nor, at temperature 1 where memory is compared, the bytes."""
     full = case.inputs()
     tokens = reference.shifted_targets(full.unconcat_tokens, list(case.total_lengths)).to(device)
     out = KernelPass()
     for chunk in (case.chunk_size, -1):
-        leaf = logits.clone().requires_grad_(True)
+        _, leaf = laid_out(values.detach().clone(), case.layout, True)
         meter = Meter((leaf, tokens), device)
         with trace.recording() as events, meter.forward():
-            log_prob, entropy = target.kernel(leaf.squeeze(0), tokens, tp_group(), with_entropy=case.with_entropy,
+            log_prob, entropy = target.kernel(leaf, tokens, tp_group(), with_entropy=case.with_entropy,
                                               chunk_size=chunk, log_prob_keep_mask=None,
                                               with_entropy_grad=case.expects_entropy_grad)
         out.traces[chunk] = list(events)

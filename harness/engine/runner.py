@@ -53,6 +53,7 @@ class CheckStats:
     failed: int = 0  # new findings
     known: int = 0  # findings a --known entry matched
     margins_by_group: dict[str, list[float]] = field(default_factory=dict)  # max error / tolerance, per case.group()
+    not_applied: dict[str, int] = field(default_factory=dict)  # "not applied: why" -> cases
 
     @property
     def margins(self) -> list[float]:
@@ -64,14 +65,17 @@ class Runner:
 
     def __init__(self, target_spec: str, device: str = "cpu", collective_timeout_s: float = 20.0,
                  checks: dict[str, Check] | None = None, pools: dict[Any, WorkerPool] | None = None,
-                 case_timeout_s: float | None = None):
+                 case_timeout_s: float | None = None, bitwise: bool = False):
         """`pools`: pools to share with other runners (a test session's); None: own ones, closed by `close`.
-        `case_timeout_s`: fixed case deadline for the pools this runner starts (None: scaled to their cost)."""
+        `case_timeout_s`: fixed case deadline for the pools this runner starts (None: scaled to their cost).
+        `bitwise`: include the opt-in bitwise checks (when `checks` is None)."""
         self.target: Target = load_target(target_spec)
         self.device = device
         self.collective_timeout_s = collective_timeout_s
         self.case_timeout_s = case_timeout_s
-        self.checks = checks if checks is not None else all_checks()
+        self.checks = checks if checks is not None else all_checks(bitwise=bitwise)
+        # The bitwise property sheet: case.config() -> check -> [cases checked, cases where it held].
+        self.properties: dict[str, dict[str, list[int]]] = defaultdict(dict)
         self.pools: dict[int, WorkerPool] = pools if pools is not None else {}
         self._owns_pools = pools is None
         self.cases_run = 0
@@ -84,7 +88,7 @@ class Runner:
     @classmethod
     def for_run(cls, cfg: RunConfig, target: str | None = None) -> "Runner":
         runner = cls(target or cfg.target, cfg.device, cfg.collective_timeout_s, pools=cfg.pools,
-                     case_timeout_s=cfg.case_timeout_s)
+                     case_timeout_s=cfg.case_timeout_s, bitwise=cfg.bitwise)
         if cfg.known:
             runner.known = load_known(cfg.known)
         return runner
@@ -150,6 +154,8 @@ class Runner:
         findings = []
         for chk in self.checks.values():
             if (only and chk.name not in only) or not chk.applicable(case, self.target):
+                if not only or chk.name in only:
+                    self._note_not_applied(chk, case)
                 continue
             if chk.needs and not ev.completed(chk.needs):
                 continue
@@ -171,6 +177,10 @@ class Runner:
             used = [m for _, m in ev.margins[first:] if m == m]
             if used:
                 stats.margins_by_group.setdefault(case.group(), []).extend(used)
+            if chk.family == "bitwise":
+                held = self.properties[case.config()].setdefault(chk.name, [0, 0])
+                held[0] += 1
+                held[1] += not problems
             if problems:
                 finding = Finding(chk.name, case.level, case.spec(), "; ".join(problems)[:4000],
                                   repro_command(self.target.spec, case),
@@ -181,6 +191,14 @@ class Runner:
                 else:
                     stats.known += 1
         return ev, findings
+
+    def _note_not_applied(self, chk: Check, case: Case) -> None:
+        """A check that would apply to the case in the training context, but not in its own, says
+        why ("not applied: ..."), in the summary and the JSON, rather than skipping silently."""
+        note = chk.not_applied(case, self.target)
+        if note:
+            counts = self.stats[(chk.name, case.level)].not_applied
+            counts[note] = counts.get(note, 0) + 1
 
     def close(self) -> None:
         if self._owns_pools:

@@ -116,6 +116,8 @@ def view(result: dict[str, Any]) -> dict[str, Any]:
         "memory": memory(result),
         "baseline": baseline(result),
         "baseline_saved": result.get("baseline_saved"),
+        "bitwise": bitwise(result),
+        "not_applied": not_applied(result),
     }
 
 
@@ -135,6 +137,28 @@ def known(result: dict[str, Any]) -> dict[str, Any] | None:
         rows.append({"checks": ", ".join(e["checks"]), "where": where, "reason": e["reason"], "link": e["link"],
                      "matched": e["matched"], "example": examples.get(label, "") if label else ""})
     return {"file": data["file"], "rows": rows, "stale": len(data["stale"])}
+
+
+TP_NOTE = ("TP invariance is not a bitwise property: another TP size changes the reduction tree; "
+           "tp-invariance holds it to the float32 tolerance.")
+
+
+def bitwise(result: dict[str, Any]) -> dict[str, Any] | None:
+    """The `--bitwise` property sheet: per configuration, each property's cases held / checked."""
+    sheet = result.get("bitwise")
+    if not sheet:
+        return None
+    names = list(dict.fromkeys(n for got in sheet.values() for n in got))
+    rows = [{"config": config, "cells": {n: got.get(n) for n in names},
+             "fails": any(c["held"] < c["checked"] for c in got.values())} for config, got in sheet.items()]
+    return {"names": names, "rows": rows, "note": TP_NOTE}
+
+
+def not_applied(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Checks that a call context left without evidence, and why (docs/callers.md)."""
+    return [{"check": name, "level": lvl, "note": note, "cases": n}
+            for name, per_level in result["checks"].items() for lvl, st in per_level.items()
+            for note, n in sorted((st.get("not_applied") or {}).items())]
 
 
 MEMORY_METERS = (("retained", "retained after forward"), ("peak_forward", "peak in forward"),
