@@ -53,7 +53,15 @@ def _kernel(case: KernelCase) -> Expected:
         # The error of two calls' summed gradients is bounded by the sum of their weights' sizes.
         w1_abs = _abs_sum(inp.w_log_prob, inp.w_log_prob_2)
         w2_abs = _abs_sum(inp.w_entropy, inp.w_entropy_2) if w2 is not None else None
-        grad_tol = grad_bound(x, inp.tokens, inp.keep_mask, w1_abs, w2_abs, tp=case.tp, dtype=case.dtype, grad=grad)
+        rounded = grad.abs()
+        if inp.w_log_prob_2 is not None or inp.w_entropy_2 is not None:
+            # Each call's gradient is rounded to the logits' dtype before the two are summed in it:
+            # three roundings, of |g1|, |g2| and |g1 + g2|, which can be far larger than the sum.
+            for w_lp_i, w_ent_i in ((inp.w_log_prob, inp.w_entropy), (inp.w_log_prob_2, inp.w_entropy_2)):
+                rounded = rounded + reference.logits_grad(x, inp.tokens, inp.keep_mask, w_lp_i,
+                                                          w_ent_i if w2 is not None else None).abs()
+        grad_tol = grad_bound(x, inp.tokens, inp.keep_mask, w1_abs, w2_abs, tp=case.tp, dtype=case.dtype,
+                              grad=rounded)
     lp_tol, ent_tol = value_bounds(x, inp.tokens, inp.keep_mask, tp=case.tp)
     return Expected(
         log_prob=reference.log_probs(x, inp.tokens, inp.keep_mask),

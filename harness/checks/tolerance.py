@@ -121,7 +121,8 @@ def grad_bound(x, tokens, keep_mask, w1, w2, tp: int = 1, dtype: str = "fp32", c
     """Allowed |error| per element [T, V] of the gradient of sum(w1 lp) + sum(w2 H).
 
     w1 / w2: [T] upstream weights or None (term absent).  dtype: the logits' (= gradient's) dtype.
-    grad: the float64 oracle gradient (recomputed when None)."""
+    grad: the float64 oracle gradient (recomputed when None), or the sum of the magnitudes of every
+    gradient that is rounded to `dtype` on the way (two calls summed in the logits' dtype)."""
     x = x.to(torch.float64)
     T, V = x.shape
     g = growth(V, tp, chain)
