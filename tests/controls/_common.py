@@ -46,3 +46,14 @@ def effective_keep(keep: torch.Tensor, local: torch.Tensor, own: torch.Tensor) -
     hit = torch.zeros_like(keep)
     hit[rows[own], local[own]] = True
     return keep | hit
+
+
+def chunk_inputs(logits: torch.Tensor, tokens: torch.Tensor, keep: Optional[torch.Tensor], s: int, e: int,
+                 start: int) -> tuple:
+    """Rows [s, e) in float32, the shard-local targets, which of them this shard owns, and the
+    keep-masked rows (None without a mask). The float32 rows may alias a float32 input."""
+    x = logits[s:e].to(torch.float32)
+    local = tokens[s:e] - start
+    own = (local >= 0) & (local < x.shape[-1])
+    xm = None if keep is None else x.masked_fill(~effective_keep(keep[s:e], local, own), float("-inf"))
+    return x, local, own, xm

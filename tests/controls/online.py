@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from tests.controls._common import effective_keep, grad_mode, group_info, normalise, row_chunks
+from tests.controls._common import chunk_inputs, grad_mode, group_info, normalise, row_chunks
 from tests.controls._wrapper import make_wrapper
 
 BLOCK = 5
@@ -58,20 +58,12 @@ def _stream(x: torch.Tensor) -> State:
     return state
 
 
-def _chunk_inputs(logits, tokens, keep, s, e, start):
-    x = logits[s:e].to(torch.float32)  # may alias a float32 input: out-of-place ops only
-    local = tokens[s:e] - start
-    own = (local >= 0) & (local < x.shape[-1])
-    xm = None if keep is None else x.masked_fill(~effective_keep(keep[s:e], local, own), NEG_INF)
-    return x, local, own, xm
-
-
 class _Online(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, tokens, keep, group, world, start, chunks, with_entropy, ent_grad):
         lps, lses, lse_ms, ents = [], [], [], []
         for s, e in chunks:
-            x, local, own, xm = _chunk_inputs(logits, tokens, keep, s, e, start)
+            x, local, own, xm = chunk_inputs(logits, tokens, keep, s, e, start)
             picked = x.gather(-1, local.clamp(0, x.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
             rows = [*_stream(x), torch.where(own, picked, torch.zeros_like(picked))]
             if xm is not None:
@@ -115,7 +107,7 @@ class _Online(torch.autograd.Function):
         grad = torch.empty_like(logits)
         use_ent = ent_grad and g_ent is not None
         for s, e in chunks:
-            x, local, own, xm = _chunk_inputs(logits, tokens, keep, s, e, start)
+            x, local, own, xm = chunk_inputs(logits, tokens, keep, s, e, start)
             lm = lse_m[s:e].unsqueeze(-1)
             w1 = (g_lp[s:e].to(torch.float32) if g_lp is not None else x.new_zeros(e - s)).unsqueeze(-1)
             if use_ent:

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from tests.controls._common import effective_keep, grad_mode, group_info, normalise, row_chunks
+from tests.controls._common import chunk_inputs, grad_mode, group_info, normalise, row_chunks
 from tests.controls._wrapper import make_wrapper
 
 NEG_INF = float("-inf")
@@ -25,20 +25,12 @@ def _reduce(t: torch.Tensor, op, group, world: int) -> torch.Tensor:
     return t
 
 
-def _chunk_inputs(logits, tokens, keep, s, e, start):
-    x = logits[s:e].to(torch.float32)  # may alias a float32 input: out-of-place ops only
-    local = tokens[s:e] - start
-    own = (local >= 0) & (local < x.shape[-1])
-    xm = None if keep is None else x.masked_fill(~effective_keep(keep[s:e], local, own), NEG_INF)
-    return x, local, own, xm
-
-
 class _Unshifted(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, tokens, keep, group, world, start, chunks, with_entropy, ent_grad):
         lps, lses, lse_ms, ents = [], [], [], []
         for s, e in chunks:
-            x, local, own, xm = _chunk_inputs(logits, tokens, keep, s, e, start)
+            x, local, own, xm = chunk_inputs(logits, tokens, keep, s, e, start)
             picked = x.gather(-1, local.clamp(0, x.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
             xt = torch.where(own, picked, torch.zeros_like(picked))
             maxes = torch.stack([x.amax(-1)] + ([] if xm is None else [xm.amax(-1)]))
@@ -76,7 +68,7 @@ class _Unshifted(torch.autograd.Function):
         logits, tokens, keep, lse_m, *rest = ctx.saved_tensors
         grad = torch.empty_like(logits)
         for s, e in chunks:
-            x, local, own, xm = _chunk_inputs(logits, tokens, keep, s, e, start)
+            x, local, own, xm = chunk_inputs(logits, tokens, keep, s, e, start)
             q = torch.exp((x if xm is None else xm) - lse_m[s:e].unsqueeze(-1))
             g = torch.zeros_like(q)
             if g_lp is not None:
