@@ -1,5 +1,6 @@
 """What a case asks of a routine beyond the contract's core, and how to fit a case to a routine that
-declares it lacks something (`HARNESS_CAPABILITIES` of a target: no entropy, no keep mask).
+declares it lacks something (`HARNESS_CAPABILITIES` of a target: no entropy, no keep mask, no
+metric-only entropy).
 
 Every path that makes cases (strategies, the corpus, twins, the benchmark cases) goes through the
 runner, which fits each case with `fit` before it runs: a routine is never sent an input it said it
@@ -11,7 +12,11 @@ from typing import Callable
 
 from cases.case import Case, KernelCase
 
-CAPABILITIES = ("entropy", "keep_mask")
+# entropy: computes one; keep_mask: takes log_prob_keep_mask; metric_only_entropy: honours
+# with_entropy_grad=False (an entropy without autograd history). A routine without the last one
+# (verl's, TRL's: autograd alone decides) is run with with_entropy_grad=True wherever a case asks
+# for False, and `grad-flags` / `memory-metric-only` then have nothing of that kind to check.
+CAPABILITIES = ("entropy", "keep_mask", "metric_only_entropy")
 
 
 def needs(case: Case) -> set[str]:
@@ -19,6 +24,8 @@ def needs(case: Case) -> set[str]:
     out = set()
     if case.with_entropy:
         out.add("entropy")
+        if isinstance(case, KernelCase) and not case.with_entropy_grad:
+            out.add("metric_only_entropy")
     if (case.mask != "none") if isinstance(case, KernelCase) else (case.top_p != "none"):
         out.add("keep_mask")
     return out
@@ -26,6 +33,9 @@ def needs(case: Case) -> set[str]:
 
 def fit(case: Case, supports: Callable[[str], bool]) -> Case:
     """The nearest case that needs only what `supports` allows (the case itself when it does)."""
+    if isinstance(case, KernelCase) and case.with_entropy and not case.with_entropy_grad \
+            and not supports("metric_only_entropy"):
+        case = case.replace(with_entropy_grad=True)
     if case.with_entropy and not supports("entropy"):
         case = case.replace(with_entropy=False, loss_terms="both") if isinstance(case, KernelCase) \
             else case.replace(with_entropy=False)

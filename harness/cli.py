@@ -15,7 +15,7 @@ from typing import Any
 
 from cases.case import parse_case
 from cases.profiles import PROFILES
-from harness import mutate, options, perf_gate
+from harness import mutate, options, peer_matrix, perf_gate
 from harness.checks import listing
 from harness.engine import pool, torchrun
 from harness.engine.explorer import explore, plan, run_corpus
@@ -121,7 +121,7 @@ def known_summary(runner: Runner) -> str:
 # the JSON-ready result (findings added by earlier features included).
 CHECK_FEATURES = (perf_gate, render)  # the report renders the others' results: keep it last
 # Modules that add a subcommand: each has `register(subparsers)`.
-SUBCOMMANDS = (mutate, trend, listing)
+SUBCOMMANDS = (mutate, trend, listing, peer_matrix)
 
 
 @torchrun.serving  # under torchrun: rank 0 runs the check on the launched ranks

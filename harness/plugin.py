@@ -104,6 +104,16 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from harness.targets import load_target
+
+    try:
+        unavailable = load_target(config.getoption("--target")).unavailable(config.getoption("--device"))
+    except HarnessError:
+        unavailable = None  # the runner fixture reports it
+    if unavailable:  # a CUDA-only target on a CPU runner: its tests skip, saying why
+        for item in items:
+            if "harness_runner" in getattr(item, "fixturenames", ()):
+                item.add_marker(pytest.mark.skip(reason=unavailable))
     if config.getoption("--device") == "cuda":
         return
     import torch

@@ -1,4 +1,6 @@
-"""The megatron-core peer as a target: log-prob-only capabilities, and what the checks find in it.
+"""The peer adapters (`harness.targets.peers`): each loads and declares itself on any machine; each
+installed one passes every check on inputs where its peer is right, and shows each finding its
+known file explains on a case that exhibits it. Peers that are not installed skip, saying so.
 
 Runs on the session's pools (the plugin's `harness_pools` fixture), no pools of its own.
 """
@@ -10,23 +12,107 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cases.case import KernelCase
+from cases.case import KernelCase, parse_case
 from harness.engine.explorer import strategy_for
 from harness.engine.runner import Runner
+from harness.errors import TargetError
+from harness.known import load as load_known
 from harness.targets import load_target
+from harness.targets.peers import peers
 
-MEGATRON = "harness.targets.megatron"
+PEERS = {p.name: p for p in peers()}
+MEGATRON = "harness.targets.peers.megatron"
 # Every kernel check on the log-prob path; input-integrity is asserted on its own below.
 LOG_PROB_CHECKS = {"crash", "empty-input", "collectives", "values", "gradients", "grad-flags",
                    "shapes-dtypes", "finite", "chunk-invariance", "tp-invariance"}
 
+# Ordinary inputs: float32 rows, chunked and not, at TP 1 and 2 (TP 2 exercises parallel_state's
+# group for verl, the vocab gather for TRL). Every peer's values are right here; any other finding
+# must be one its known file explains (Megatron's float32 in-place writes, the fused one's bf16
+# gradients).
+CLEAN = [KernelCase(tp=tp, T=7, v_local=5, regime=regime, chunk_size=chunk, with_entropy=ent, seed=31 * tp + i)
+         for tp in (1, 2) for i, (regime, chunk, ent) in
+         enumerate([("normal", -1, True), ("peaked", 3, True), ("huge", -1, False), ("normal", 7, False)])]
+# One case per known finding, with the check that must report it: the finding is real and shows.
+WITNESSES: dict[str, list[tuple[str, str]]] = {
+    "megatron": [("kernel:tp=2,T=5,v_local=4,with_entropy=0,seed=1594", "input-integrity"),
+                 ("kernel:tp=1,T=5,v_local=4,with_entropy=0,seed=1,context=accumulate", "gradients"),
+                 ("kernel:tp=2,T=5,v_local=4,with_entropy=0,seed=1,context=two_calls", "crash")],
+    "megatron_fused": [("kernel:tp=1,T=3,v_local=4,with_entropy=0,seed=1", "gradients"),
+                       ("kernel:tp=1,T=0,v_local=4,with_entropy=0", "empty-input")],
+    "verl": [("kernel:tp=2,T=6,v_local=5,regime=neginf,seed=1", "finite"),
+             ("kernel:tp=1,T=4,v_local=8,dtype=bf16,seed=2", "shapes-dtypes"),
+             ("kernel:tp=2,T=4,v_local=8,seed=3", "input-integrity"),
+             ("kernel:tp=1,T=4,v_local=8,seed=4,context=two_calls", "crash")],
+    "verl_chunked": [("kernel:tp=1,T=5,v_local=8,chunk_size=2,seed=5", "crash"),
+                     ("kernel:tp=2,T=0,v_local=4", "grad-flags")],
+    "trl": [("kernel:tp=2,T=6,v_local=5,regime=neginf,seed=1", "finite"),
+            ("kernel:tp=1,T=4,v_local=8,dtype=bf16,seed=2", "shapes-dtypes"),
+            ("kernel:tp=1,T=0,v_local=4", "empty-input")],
+}
 
-@pytest.fixture(scope="module")
-def megatron(harness_pools) -> Runner:
-    return Runner(MEGATRON, pools=harness_pools)
+
+def _installed(name: str):
+    peer = PEERS[name]
+    if peer.missing():
+        pytest.skip(f"peer {name} not installed (no {', '.join(peer.missing())}): {peer.install}")
+    if peer.cuda_only:
+        pytest.skip(f"peer {name} runs only on CUDA")
+    return peer
 
 
-def test_declares_log_prob_only() -> None:
+def test_every_adapter_loads_and_declares_itself() -> None:
+    """On any machine (peers imported lazily), with what `harness peers` needs to list it."""
+    assert {"megatron", "megatron_fused", "verl", "verl_chunked", "trl", "liger"} <= set(PEERS)
+    for peer in PEERS.values():
+        target = load_target(peer.spec)
+        assert target.levels and peer.upstream and peer.install and peer.summary
+        assert peer.known is None or load_known(peer.known).entries  # a valid --known file
+
+
+def test_cuda_only_peer_is_refused_on_cpu_with_its_reason() -> None:
+    assert PEERS["liger"].cuda_only
+    with pytest.raises(TargetError, match="runs only on CUDA"):
+        Runner("harness.targets.peers.liger")
+
+
+def test_every_known_finding_has_a_witness() -> None:
+    """A known file and the witnesses below name the same checks, so no entry goes unexercised."""
+    for name, peer in PEERS.items():
+        if peer.known is None:
+            continue
+        named = {c for e in load_known(peer.known).entries for c in e.checks}
+        assert {check for _, check in WITNESSES[name]} <= named, name
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", sorted(WITNESSES))
+def test_right_values_and_nothing_unexplained_on_ordinary_inputs(harness_pools, name: str) -> None:
+    peer = _installed(name)
+    runner = Runner(peer.spec, pools=harness_pools)
+    runner.known = load_known(peer.known)
+    for case in CLEAN:
+        before = len(runner.known_findings)
+        _, new = runner.check(case)  # the findings no entry explains
+        assert not new, f"{new[0].check}: {new[0].message}\n{new[0].repro}"
+        assert "values" not in {f.check for f in runner.known_findings[before:]}, case.spec()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", sorted(WITNESSES))
+def test_known_findings_show_and_are_explained(harness_pools, name: str) -> None:
+    """Each witness case gives its finding, and every finding it gives is explained by the known file."""
+    peer = _installed(name)
+    runner = Runner(peer.spec, pools=harness_pools)
+    runner.known = load_known(peer.known)
+    for spec, check in WITNESSES[name]:
+        before = len(runner.known_findings)
+        _, new = runner.check(parse_case(spec))  # the findings no entry explains
+        assert not new, f"unexplained: {new[0].check}: {new[0].message}\n{new[0].repro}"
+        assert check in {f.check for f in runner.known_findings[before:]}, f"{spec}: no {check} finding"
+
+
+def test_megatron_declares_log_prob_only() -> None:
     target = load_target(MEGATRON)
     assert target.levels == ("kernel",)
     assert not target.supports("entropy") and not target.supports("keep_mask")
@@ -34,13 +120,13 @@ def test_declares_log_prob_only() -> None:
 
 @settings(max_examples=100, database=None, deadline=None)
 @given(st.data())
-def test_draws_nothing_it_cannot_compute(data) -> None:
+def test_megatron_draws_nothing_it_cannot_compute(data) -> None:
     case = data.draw(strategy_for(SimpleNamespace(target=load_target(MEGATRON)), "kernel", (1, 2, 4)))
     assert not case.with_entropy and case.mask == "none"
 
 
-def test_says_what_it_does_not_provide() -> None:
-    from harness.targets.megatron import calculate_log_probs_and_entropy
+def test_megatron_says_what_it_does_not_provide() -> None:
+    from harness.targets.peers.megatron import calculate_log_probs_and_entropy
 
     with pytest.raises(NotImplementedError, match="computes no entropy"):
         calculate_log_probs_and_entropy(None, None, None, with_entropy=True)
@@ -49,9 +135,10 @@ def test_says_what_it_does_not_provide() -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
-def test_passes_log_prob_checks(megatron: Runner, tp: int, dtype: str) -> None:
+def test_megatron_passes_log_prob_checks(harness_pools, tp: int, dtype: str) -> None:
     """Values at float32 scale in every input dtype (megatron upcasts before its math), gradients,
     collectives and the invariances, at TP 1, 2 and 4; peaked rows, -inf entries, chunk sizes, T == 0."""
+    megatron = Runner(MEGATRON, pools=harness_pools)
     cases = [KernelCase(tp=tp, T=7, v_local=5, dtype=dtype, regime=regime, chunk_size=chunk, with_entropy=False,
                         seed=11 * tp + i)
              for i, (regime, chunk) in enumerate([("normal", -1), ("peaked", 3), ("neginf", -1), ("huge", 2)])]
@@ -63,10 +150,11 @@ def test_passes_log_prob_checks(megatron: Runner, tp: int, dtype: str) -> None:
 
 
 @pytest.mark.distributed
-def test_float32_logits_are_overwritten(megatron: Runner) -> None:
+def test_megatron_float32_logits_are_overwritten(harness_pools) -> None:
     """A finding about megatron-core 0.16.1 itself (Megatron-LM PR #1594, still open): `.float()` is a
     no-op on float32 input, so its in-place `-=`/`exp(out=)`/`div_` write the softmax into the
     caller's logits. Half-precision inputs are copied by the upcast and stay intact."""
+    megatron = Runner(MEGATRON, pools=harness_pools)
     for dtype, mutated in (("fp32", True), ("bf16", False)):
         _, findings = megatron.check(KernelCase(tp=2, T=5, v_local=4, dtype=dtype, with_entropy=False, seed=1594),
                                      only={"input-integrity"})

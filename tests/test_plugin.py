@@ -76,7 +76,7 @@ def test_one_broken_all_reduce_fails_readably(outside: Path) -> None:
 
 
 def test_log_prob_only_target_collects_what_it_can_compute(outside: Path) -> None:
-    run = _suite(outside, "--target", "harness.targets.megatron", "--collect-only")
+    run = _suite(outside, "--target", "harness.targets.peers.megatron", "--collect-only")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "target provides no entropy: cases needing it are not drawn" in run.stdout
     assert "-masked]" not in run.stdout and "wrapper" not in run.stdout.split("collected")[-1]

@@ -68,8 +68,9 @@ def test_check(harness_runner, request, check_name: str, level: str, family: dic
     @given(st.data())
     def run(data):
         __tracebackhide__ = True
-        case = data.draw(_strategy(runner, level, family).filter(lambda c: chk.applicable(c, runner.target)),
-                         label="case")
+        # Fitted to the target's capabilities before the filter, as the runner will run it.
+        case = data.draw(_strategy(runner, level, family).map(runner.fit)
+                         .filter(lambda c: chk.applicable(c, runner.target)), label="case")
         _, findings = runner.check(case, only={check_name})
         applied.append(case)
         if findings:

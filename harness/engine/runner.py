@@ -15,6 +15,7 @@ from harness.checks import Check, Evidence, all_checks
 from harness.engine import torchrun
 from harness.engine.executor import CASE_JOB
 from harness.engine.pool import WorkerPool
+from harness.errors import TargetError
 from harness.findings import Finding, repro_command
 from harness.known import KnownFindings, load as load_known
 from harness.observations import HANG_KINDS, RankResult
@@ -70,6 +71,9 @@ class Runner:
         `case_timeout_s`: fixed case deadline for the pools this runner starts (None: scaled to their cost).
         `bitwise`: include the opt-in bitwise checks (when `checks` is None)."""
         self.target: Target = load_target(target_spec)
+        unavailable = self.target.unavailable(device)
+        if unavailable:
+            raise TargetError(unavailable)
         self.device = device
         self.collective_timeout_s = collective_timeout_s
         self.case_timeout_s = case_timeout_s

@@ -88,7 +88,7 @@ def write_report(path: Path, result: dict[str, Any]) -> None:
     path.write_text(text, encoding="utf-8")
 
 
-def _environment(autoescape: bool) -> jinja2.Environment:
+def environment(autoescape: bool) -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.PackageLoader("harness.report", "templates"), autoescape=autoescape,
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
                              keep_trailing_newline=True)
@@ -106,8 +106,8 @@ def render_html(result: dict[str, Any]) -> str:
         "memory": png_uri(memory_figure(view["memory"])) if view["memory"] else None,
         "baseline": png_uri(baseline_figure(view["baseline"])) if compared else None,
     }
-    return _environment(autoescape=True).get_template("report.html.j2").render(v=view, fig=figures)
+    return environment(autoescape=True).get_template("report.html.j2").render(v=view, fig=figures)
 
 
 def render_markdown(result: dict[str, Any]) -> str:
-    return _environment(autoescape=False).get_template("report.md.j2").render(v=report_view.view(result))
+    return environment(autoescape=False).get_template("report.md.j2").render(v=report_view.view(result))

@@ -6,8 +6,11 @@ for a target namespace: a package that registers itself under the entry-point gr
 namespace by name. A module provides the kernel, the wrapper, or both, under the
 contract's names. Optional module attributes describe it further:
 
-- `HARNESS_CAPABILITIES`: dict overriding `{"entropy": True, "keep_mask": True}` for a routine that
-  computes no entropy or takes no keep mask (cases needing it are skipped and the summary says so);
+- `HARNESS_CAPABILITIES`: dict overriding `{"entropy": True, "keep_mask": True,
+  "metric_only_entropy": True, "cpu": True}` for a routine that computes no entropy, takes no keep
+  mask or ignores `with_entropy_grad=False` (cases needing it are fitted to what it does, and the
+  summary says so: `cases.capabilities`), or runs only on CUDA (`"cpu": False`: a CPU run refuses
+  it with that reason, a pytest session skips it);
 - `HARNESS_MEMORY_BUDGET`: dict of retained/peak budgets as multiples of `T * V_local * 4` bytes.
 """
 from __future__ import annotations
@@ -44,6 +47,12 @@ class Target:
 
     def supports(self, feature: str) -> bool:
         return self.capabilities.get(feature, True)
+
+    def unavailable(self, device: str) -> str | None:
+        """Why this target cannot run on `device`, or None."""
+        if device == "cpu" and not self.supports("cpu"):
+            return f"{self.spec} runs only on CUDA (HARNESS_CAPABILITIES['cpu'] is False): use --device cuda on a GPU"
+        return None
 
 
 def _check_signature(spec: str, name: str, fn: Any, call: tuple) -> None:

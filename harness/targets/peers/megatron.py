@@ -18,16 +18,11 @@ from __future__ import annotations
 
 import torch
 
+from harness.targets.peers._mpu import parallel_state_group
+
 HARNESS_CAPABILITIES = {"entropy": False, "keep_mask": False}
-
-
-def _megatron_group():
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        raise RuntimeError("megatron's vocab_parallel_cross_entropy takes its TP group from "
-                           "megatron.core.parallel_state: call initialize_model_parallel first")
-    return parallel_state.get_tensor_model_parallel_group()
+HARNESS_PEER = dict(requires=("megatron.core",), install="pip install megatron-core (a harness dependency)",
+                    upstream=("megatron.core.tensor_parallel.vocab_parallel_cross_entropy",))
 
 
 def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
@@ -43,9 +38,6 @@ def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False
                                   "(HARNESS_CAPABILITIES['keep_mask'] is False)")
     if logits.dim() != 2:
         raise ValueError(f"logits must be [T, V_local], got {tuple(logits.shape)}")
-    group = _megatron_group()
-    if tp_group is not None and tp_group is not group:
-        raise ValueError("megatron's vocab_parallel_cross_entropy only reduces over parallel_state's "
-                         "TP group; a different tp_group cannot be honoured")
+    parallel_state_group(tp_group, "megatron's vocab_parallel_cross_entropy")
     tokens = tokens.reshape(-1).to(device=logits.device, dtype=torch.long)
     return -vocab_parallel_cross_entropy(logits, tokens), None

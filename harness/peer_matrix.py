@@ -1,0 +1,120 @@
+"""`python -m harness peers`: check every installed peer adapter (`harness.targets.peers`) and write
+the conformance matrix (`harness.report.matrix`) as markdown, HTML and JSON.
+
+Each peer runs as its own `python -m harness check ... --json` process: the peers import heavy,
+unrelated libraries (verl pulls in ray and transformers), one peer's crash or hang stays its own,
+and each row is exactly what `harness check --target harness.targets.peers.NAME` reports, with
+the same repro lines. A peer that is not installed, or needs CUDA on a CPU run, is a `skipped`
+row saying why.
+
+Exit codes: 0 when the matrix was written (findings on peers are its content, not a failure of
+this command), 2 when a peer's run failed to produce a result (usage, import or infrastructure
+error), after writing the matrix with that row marked.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from harness import options
+from harness.report import matrix
+from harness.targets.peers import Peer, peers
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("peers", help="check every installed peer adapter and write the conformance matrix")
+    options.add_argparse(p, ("device", "tp", "profile", "seed"))
+    p.add_argument("--out", type=Path, default=Path("peers-matrix"), metavar="DIR",
+                   help="where to write peers.md, peers.html, peers.json and each peer's check JSON "
+                        "(default: ./peers-matrix)")
+    p.add_argument("--only", nargs="+", metavar="NAME",
+                   help="these peers only (names as `harness peers --list` prints)")
+    p.add_argument("--list", action="store_true", help="list the peer adapters and whether each can run here")
+    p.add_argument("--peer-timeout", type=options.positive_int, default=1800, metavar="S",
+                   help="seconds one peer's check may take before it is stopped (default 1800)")
+    p.set_defaults(func=cmd_peers)
+
+
+def _why_not(peer: Peer, device: str) -> str | None:
+    missing = peer.missing()
+    if missing:
+        return f"not installed (no {', '.join(missing)}): {peer.install}"
+    if peer.cuda_only and device == "cpu":
+        return "runs only on CUDA (Triton kernels): run `harness peers --device cuda` on a GPU runner"
+    return None
+
+
+def _run_peer(peer: Peer, ns: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    out = workdir / f"{peer.name}.json"
+    cmd = [sys.executable, "-m", "harness", "check", "--target", peer.spec, "--profile", ns.profile,
+           "--tp", ",".join(map(str, ns.tp)), "--device", ns.device, "--json", str(out), "-q", "--no-shrink"]
+    if ns.seed is not None:
+        cmd += ["--seed", str(ns.seed)]
+    if peer.known:
+        cmd += ["--known", str(peer.known)]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=ns.peer_timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": "error", "reason": f"did not finish within --peer-timeout {ns.peer_timeout} s"}
+    elapsed = round(time.perf_counter() - start, 1)
+    if proc.returncode not in (0, 1) or not out.exists():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"status": "error", "reason": f"`harness check` exited {proc.returncode}: {tail[0][:300]}",
+                "elapsed_s": elapsed}
+    result = json.loads(out.read_text())
+    return {"status": "ran", "cases": result["cases_run"], "elapsed_s": elapsed, "cells": matrix.peer_cells(result),
+            "findings": len(result["findings"]), "known_findings": len(result.get("known_findings", [])),
+            "command": " ".join(cmd[1:])}
+
+
+def cmd_peers(ns: argparse.Namespace, cfg: options.RunConfig) -> int:
+    found = peers()
+    if ns.list:
+        for peer in found:
+            print(f"{peer.name:16} {_why_not(peer, ns.device) or 'runs here'}\n{'':16} {peer.summary}")
+        return 0
+    unknown = set(ns.only or ()) - {p.name for p in found}
+    if unknown:
+        print(f"harness: error: unknown peer(s) {sorted(unknown)}; known: {[p.name for p in found]}", file=sys.stderr)
+        return 2
+    ns.out.mkdir(parents=True, exist_ok=True)
+    rows, failed = [], False
+    with tempfile.TemporaryDirectory() as tmp:
+        for peer in found:
+            if ns.only and peer.name not in ns.only:
+                continue
+            row = {"name": peer.name, "spec": peer.spec, "upstream": list(peer.upstream), "summary": peer.summary}
+            reason = _why_not(peer, ns.device)
+            print(f"[peers] {peer.name}: {reason or 'checking'}", file=sys.stderr, flush=True)
+            row.update({"status": "skipped", "reason": reason} if reason else _run_peer(peer, ns, Path(tmp)))
+            failed |= row["status"] == "error"
+            if row["status"] == "ran":
+                (ns.out / f"{peer.name}.json").write_text((Path(tmp) / f"{peer.name}.json").read_text())
+            rows.append(row)
+    result = {"profile": ns.profile, "tp": list(ns.tp), "seed": ns.seed, "device": ns.device,
+              "date": datetime.date.today().isoformat(), "harness": _version(), "columns": matrix.columns(),
+              "peers": rows}
+    (ns.out / "peers.json").write_text(json.dumps(result, indent=1))
+    text = matrix.render_markdown(result)
+    (ns.out / "peers.md").write_text(text)
+    (ns.out / "peers.html").write_text(matrix.render_html(result))
+    print(text)
+    print(f"written: {ns.out / 'peers.md'}, {ns.out / 'peers.html'}, {ns.out / 'peers.json'}", file=sys.stderr)
+    return 2 if failed else 0
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("logprob-harness")
+    except PackageNotFoundError:
+        return "unknown"

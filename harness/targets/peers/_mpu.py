@@ -1,0 +1,49 @@
+"""The TP group as peers that take it from megatron-core's `parallel_state` find it."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def parallel_state_group(tp_group: Any, who: str) -> Any:
+    """parallel_state's TP group, after making sure it is the group the harness asked for: a peer
+    without a group argument can only reduce over that one."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError(f"{who} takes its TP group from megatron.core.parallel_state: "
+                           "call initialize_model_parallel first")
+    group = parallel_state.get_tensor_model_parallel_group()
+    if tp_group is not None and tp_group is not group:
+        raise ValueError(f"{who} only reduces over parallel_state's TP group; a different tp_group "
+                         "cannot be honoured")
+    return group
+
+
+class _GatherVocab(torch.autograd.Function):
+    """Forward: all-gather the last-dimension shards; backward: this rank's own slice of the
+    gradient. Megatron's gather-from-TP-region (which allocates on CUDA, hence this CPU-capable
+    one): every rank computes the same loss from the gathered tensor, so nothing is reduced."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in range(group.size())]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        n = grad.shape[-1] // ctx.group.size()
+        r = ctx.group.rank()
+        return grad[..., r * n:(r + 1) * n].contiguous(), None
+
+
+def gather_vocab(t: torch.Tensor, tp_group: Any) -> torch.Tensor:
+    """The full-vocab tensor from every rank's last-dimension shard, in rank order, for a routine
+    that is not tensor-parallel (as Megatron's `parallel_output=False` hands it over)."""
+    if tp_group is None or tp_group.size() == 1:
+        return t
+    return _GatherVocab.apply(t, tp_group)

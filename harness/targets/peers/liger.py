@@ -1,0 +1,28 @@
+"""Liger-Kernel's vocab-parallel cross entropy (Triton, CUDA only) as a log-prob-only kernel target.
+
+`liger_kernel.transformers.LigerVocabParallelCrossEntropy`: Megatron's algorithm with Triton
+kernels, an explicit `tp_group` (None or a one-rank group at TP 1), a float32 softmax buffer saved
+for backward and the gradient written into that buffer. It takes `[S, B, V_local]` logits and
+returns the per-token loss `[S, B]`, so the adapter hands it the logits as `[T, 1, V_local]` (a
+view) and returns minus the loss. No entropy, no keep mask; `chunk_size` is ignored. Triton needs
+CUDA, so the target declares `"cpu": False`: CPU runs refuse it and pytest sessions skip it, saying so.
+"""
+from __future__ import annotations
+
+import torch
+
+HARNESS_CAPABILITIES = {"entropy": False, "keep_mask": False, "cpu": False}
+HARNESS_PEER = dict(requires=("liger_kernel", "triton"), install="pip install liger-kernel",
+                    upstream=("liger_kernel.transformers.LigerVocabParallelCrossEntropy",))
+
+
+def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
+                                    log_prob_keep_mask=None, with_entropy_grad=True):
+    """Level 1 kernel over Liger: `(log_prob [T] float32, None)`."""
+    from liger_kernel.transformers import LigerVocabParallelCrossEntropy
+
+    if with_entropy or log_prob_keep_mask is not None:
+        raise NotImplementedError("Liger's vocab-parallel cross entropy computes no entropy and takes no keep mask")
+    tokens = tokens.reshape(-1, 1).to(device=logits.device, dtype=torch.long)
+    loss = LigerVocabParallelCrossEntropy()(logits.unsqueeze(1), tokens, tp_group=tp_group)
+    return -loss.reshape(-1), None

@@ -1,0 +1,27 @@
+"""megatron-core's fused `fused_vocab_parallel_cross_entropy` as a log-prob-only kernel target.
+
+The variant Megatron uses under `--cross-entropy-loss-fusion`: the same math as
+`vocab_parallel_cross_entropy` in `torch.jit.script`-ed pieces, with one all-reduce for the target
+logit and the sum of exponentials together, and an explicit `tp_group` argument (the harness's
+group is passed as is). It runs on CPU. Like the unfused one it computes no entropy and takes no
+keep mask, and `chunk_size` is accepted and ignored. The adapter hands over the caller's tensor.
+"""
+from __future__ import annotations
+
+import torch
+
+HARNESS_CAPABILITIES = {"entropy": False, "keep_mask": False}
+HARNESS_PEER = dict(requires=("megatron.core",), install="pip install megatron-core (a harness dependency)",
+                    upstream=("megatron.core.fusions.fused_cross_entropy.fused_vocab_parallel_cross_entropy",))
+
+
+def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
+                                    log_prob_keep_mask=None, with_entropy_grad=True):
+    """Level 1 kernel over megatron-core's fused cross entropy: `(log_prob [T] float32, None)`."""
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+    if with_entropy or log_prob_keep_mask is not None:
+        raise NotImplementedError("megatron's fused cross entropy computes no entropy and takes no keep mask "
+                                  "(HARNESS_CAPABILITIES)")
+    tokens = tokens.reshape(-1).to(device=logits.device, dtype=torch.long)
+    return -fused_vocab_parallel_cross_entropy(logits, tokens, tp_group), None

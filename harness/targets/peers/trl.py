@@ -1,0 +1,38 @@
+"""TRL's log-prob and entropy over full-vocab logits: `selective_log_softmax_and_entropy`.
+
+`trl.trainer.utils.selective_log_softmax_and_entropy(logits, index, entropy_requires_grad)` is
+`selective_log_softmax` (a per-row `logsumexp` for float32, a per-row `log_softmax` in the input
+dtype for bf16/fp16) and `entropy_from_logits` (chunks of 128 rows), with the entropy computed
+under `no_grad` when `entropy_requires_grad` is False: the contract's `with_entropy_grad`. On CUDA
+TRL switches to a Triton kernel; this adapter checks the torch path wherever it runs on CPU.
+
+TRL is not tensor-parallel. At TP 1 the adapter hands it the caller's logits. At TP > 1 it first
+all-gathers the vocab shards (`_mpu.gather_vocab`: Megatron's gather-from-TP-region, whose
+backward returns each rank its own slice), so every rank computes the full-vocab answer; that is
+what a trainer must do to use TRL on TP-sharded logits, and the run costs the gathered
+`[T, V]` copy. No keep mask (TRL's `row_mask` drops whole rows); `chunk_size` is ignored.
+"""
+from __future__ import annotations
+
+import torch
+
+from harness.targets.peers._mpu import gather_vocab
+
+HARNESS_CAPABILITIES = {"keep_mask": False}
+HARNESS_PEER = dict(requires=("trl",), install="pip install trl",
+                    upstream=("trl.trainer.utils.selective_log_softmax_and_entropy",
+                              "trl.trainer.utils.selective_log_softmax", "trl.trainer.utils.entropy_from_logits"))
+
+
+def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
+                                    log_prob_keep_mask=None, with_entropy_grad=True):
+    """Level 1 kernel over TRL: `(log_prob [T], entropy [T] or None)`, in the logits' dtype."""
+    from trl.trainer.utils import selective_log_softmax, selective_log_softmax_and_entropy
+
+    if log_prob_keep_mask is not None:
+        raise NotImplementedError("TRL takes no keep mask (HARNESS_CAPABILITIES['keep_mask'] is False)")
+    full = gather_vocab(logits, tp_group)
+    tokens = tokens.reshape(-1).to(device=logits.device, dtype=torch.long)
+    if not with_entropy:
+        return selective_log_softmax(full, tokens), None
+    return selective_log_softmax_and_entropy(full, tokens, entropy_requires_grad=with_entropy_grad)

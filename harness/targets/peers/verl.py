@@ -1,0 +1,40 @@
+"""verl's Megatron-backend log-probs and entropy, composed as verl's engine composes them.
+
+`verl.utils.megatron.tensor_parallel`: `vocab_parallel_entropy(logits)` (its own autograd function,
+three all-reduces) and `vocab_parallel_log_probs_from_logits(logits, labels)` (minus Megatron's
+`vocab_parallel_cross_entropy`). Both take the TP group from megatron-core's `parallel_state`.
+
+The composition is verl 0.9.1's `MegatronEngine._lm_head_logits_processor`
+(`verl/workers/engine/megatron/transformer_impl.py`): when an entropy is asked for, the log-probs
+are computed on `logits.clone()` and the entropy on the logits themselves. That clone is verl's
+own code, kept because Megatron's cross entropy writes into float32 logits; the adapter adds no
+other. verl has no keep mask and no metric-only entropy flag (autograd alone decides whether the
+entropy is differentiable; verl's trainers compute it only when `entropy_coeff != 0` or asked to),
+and `chunk_size` is ignored: the chunked entropy is the `verl_chunked` adapter.
+"""
+from __future__ import annotations
+
+import torch
+
+from harness.targets.peers._mpu import parallel_state_group
+
+HARNESS_CAPABILITIES = {"keep_mask": False, "metric_only_entropy": False}
+HARNESS_PEER = dict(requires=("verl", "megatron.core"), install="pip install verl==0.9.1",
+                    upstream=("verl.utils.megatron.tensor_parallel.vocab_parallel_entropy",
+                              "verl.utils.megatron.tensor_parallel.vocab_parallel_log_probs_from_logits"))
+
+
+def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
+                                    log_prob_keep_mask=None, with_entropy_grad=True):
+    """Level 1 kernel over verl: `(log_prob [T] float32, entropy [T] in the logits' dtype or None)`."""
+    from verl.utils.megatron.tensor_parallel import vocab_parallel_entropy, vocab_parallel_log_probs_from_logits
+
+    if log_prob_keep_mask is not None:
+        raise NotImplementedError("verl takes no keep mask (HARNESS_CAPABILITIES['keep_mask'] is False)")
+    parallel_state_group(tp_group, "verl's tensor_parallel functions")
+    tokens = tokens.reshape(-1).to(device=logits.device, dtype=torch.long)
+    entropy, logits_bak = None, logits
+    if with_entropy:
+        logits_bak = logits.clone()  # verl's, as in _lm_head_logits_processor
+        entropy = vocab_parallel_entropy(logits)
+    return vocab_parallel_log_probs_from_logits(logits_bak, tokens), entropy
