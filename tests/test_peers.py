@@ -161,3 +161,50 @@ def test_megatron_float32_logits_are_overwritten(harness_pools) -> None:
         assert bool(findings) == mutated, dtype
         if mutated:
             assert "values changed after forward" in findings[0].message
+
+
+def test_matrix_cells_say_pass_known_new_and_why_not() -> None:
+    from harness.report import matrix
+
+    finding = {"check": "values", "message": "rank 0 log_prob off\nmore", "repro": "python -m harness repro X"}
+    result = {"levels": ["kernel"], "capabilities": {"entropy": False}, "tp": [1, 2],
+              "checks": {"values": {"kernel": {"applied": 9, "failed": 1, "known": 0}},
+                         "gradients": {"kernel": {"applied": 5, "failed": 0, "known": 2}},
+                         "crash": {"kernel": {"applied": 9, "failed": 0, "known": 0}},
+                         "memory-metric-only": {}, "memory-backward-frees": {"kernel": {"applied": 3, "failed": 0}}},
+              "findings": [finding],
+              "known_findings": [{**finding, "check": "gradients", "known": "[gradients]: bf16 cast"}]}
+    cells = matrix.peer_cells(result)
+    assert cells["values"]["state"] == "finding" and cells["values"]["repro"] == finding["repro"]
+    assert cells["gradients"]["state"] == "known" and cells["gradients"]["reasons"] == ["[gradients]: bf16 cast"]
+    assert cells["crash"] == {"state": "pass", "applied": 9}
+    assert cells["wrapper"] == {"state": "n/a", "note": "no wrapper level"}
+    assert cells["memory"] == {"state": "pass", "applied": 3}  # the family: any of its checks that ran
+    assert cells["grad-flags"] == {"state": "n/a", "note": "applies to no case it can take (no entropy)"}
+    page = {"profile": "smoke", "tp": [1], "seed": 0, "date": "d", "harness": "h", "columns": matrix.columns(),
+            "peers": [{"name": "p", "status": "ran", "cases": 9, "elapsed_s": 1.0, "cells": cells, "upstream": ["u"],
+                       "summary": "s"},
+                      {"name": "q", "status": "skipped", "reason": "runs only on CUDA", "upstream": ["v"],
+                       "summary": "t"}]}
+    for text in (matrix.render_markdown(page), matrix.render_html(page)):
+        assert "NEW FINDING (1/9)" in text and "known (2/5)" in text and "bf16 cast" in text
+        assert "runs only on CUDA" in text and "python -m harness repro X" in text
+
+
+@pytest.mark.distributed
+def test_peers_command_writes_the_matrix(tmp_path) -> None:
+    """End to end: one peer checked in its own `harness check` process, one skipped with its reason."""
+    import json
+
+    from harness.cli import main
+
+    out = tmp_path / "m"
+    assert main(["peers", "--only", "megatron", "liger", "--profile", "smoke", "--tp", "1", "--out", str(out)]) == 0
+    page = json.loads((out / "peers.json").read_text())
+    rows = {p["name"]: p for p in page["peers"]}
+    assert rows["liger"]["status"] == "skipped" and rows["liger"]["reason"]
+    megatron = rows["megatron"]
+    assert megatron["status"] == "ran" and megatron["cases"] > 0
+    assert megatron["cells"]["input-integrity"]["state"] == "known"  # #1594, explained by its known file
+    assert not [c for c in megatron["cells"].values() if c["state"] == "finding"]
+    assert (out / "peers.html").read_text().startswith("<!DOCTYPE html>") and (out / "megatron.json").exists()

@@ -23,27 +23,27 @@ def parallel_state_group(tp_group: Any, who: str) -> Any:
 
 
 class _GatherVocab(torch.autograd.Function):
-    """Forward: all-gather the last-dimension shards; backward: this rank's own slice of the
+    """Forward: all-gather the shards along `dim`; backward: this rank's own slice of the
     gradient. Megatron's gather-from-TP-region (which allocates on CUDA, hence this CPU-capable
     one): every rank computes the same loss from the gathered tensor, so nothing is reduced."""
 
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx: Any, t: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
         parts = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in range(group.size())]
         dist.all_gather(parts, t.contiguous(), group=group)
-        return torch.cat(parts, dim=-1)
+        return torch.cat(parts, dim=dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        n = grad.shape[-1] // ctx.group.size()
-        r = ctx.group.rank()
-        return grad[..., r * n:(r + 1) * n].contiguous(), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        n = grad.shape[ctx.dim] // ctx.group.size()
+        return grad.narrow(ctx.dim, ctx.group.rank() * n, n).contiguous(), None, None
 
 
-def gather_vocab(t: torch.Tensor, tp_group: Any) -> torch.Tensor:
-    """The full-vocab tensor from every rank's last-dimension shard, in rank order, for a routine
-    that is not tensor-parallel (as Megatron's `parallel_output=False` hands it over)."""
+def gather_vocab(t: torch.Tensor, tp_group: Any, dim: int = -1) -> torch.Tensor:
+    """The full-vocab tensor from every rank's vocab shard (along `dim`: -1 for logits, 0 for an
+    LM-head weight), in rank order, for a routine that is not tensor-parallel (as Megatron's
+    `parallel_output=False` hands logits over)."""
     if tp_group is None or tp_group.size() == 1:
         return t
-    return _GatherVocab.apply(t, tp_group)
+    return _GatherVocab.apply(t, tp_group, dim)

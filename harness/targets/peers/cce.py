@@ -1,0 +1,33 @@
+"""Apple's Cut Cross-Entropy, `linear_cross_entropy(..., impl="torch_compile")`, as a log-prob-only
+fused-linear target.
+
+`cut_cross_entropy.linear_cross_entropy(e, c, targets, reduction="none", impl=...)` takes the
+hidden states `e [T, H]` and the classifier `c [V, H]` and returns the per-token loss. Its `cce`
+implementation is Triton (CUDA only); its `torch_compile` one, checked here, is `F.cross_entropy`
+of `(e @ c.T).float()` under `torch.compile`, which runs on CPU. It computes no entropy, and it is
+not tensor-parallel: at TP > 1 the adapter all-gathers the weight's vocab shards
+(`_mpu.gather_vocab`), so every rank computes the full answer. `log_prob = -loss`; `chunk_size`
+is ignored.
+"""
+from __future__ import annotations
+
+import torch
+
+from harness.targets.peers._mpu import gather_vocab
+
+HARNESS_CAPABILITIES = {"entropy": False}
+HARNESS_PEER = dict(requires=("cut_cross_entropy",), install="pip install cut-cross-entropy",
+                    upstream=("cut_cross_entropy.linear_cross_entropy (impl='torch_compile')",))
+
+
+def calculate_linear_log_probs_and_entropy(hidden, weight, tokens, tp_group, with_entropy=False, chunk_size=-1,
+                                           with_entropy_grad=True):
+    """Fused-linear level over Cut Cross-Entropy: `(log_prob [T] float32, None)`."""
+    from cut_cross_entropy import linear_cross_entropy
+
+    if with_entropy:
+        raise NotImplementedError("Cut Cross-Entropy computes no entropy (HARNESS_CAPABILITIES['entropy'] is False)")
+    tokens = tokens.reshape(-1).to(device=hidden.device, dtype=torch.long)
+    loss = linear_cross_entropy(hidden, gather_vocab(weight, tp_group, dim=0), tokens, reduction="none",
+                                impl="torch_compile")
+    return -loss, None

@@ -1,0 +1,34 @@
+"""verl's pure-torch fused linear for PPO, `FusedLinearForPPO`, as a fused-linear target.
+
+`verl.utils.experimental.torch_functional.FusedLinearForPPO(chunk_size=512)` takes hidden states
+`[T, H]` and the LM head's weight `[V, H]` and returns `(log_probs float32, entropy in the hidden
+dtype)`, computing the logits per chunk of rows (upcast to float32) and recomputing them in a
+hand-written backward. It is not tensor-parallel (no process group): at TP > 1 the adapter
+all-gathers the weight's vocab shards (`_mpu.gather_vocab`, whose backward returns each rank its
+own rows of the weight gradient), so every rank computes the full-vocab answer and the full hidden
+gradient, as the contract asks. Both outputs always carry autograd history when an input requires
+grad (no metric-only flag); with `with_entropy=False` the adapter drops the entropy verl computes
+anyway. `chunk_size <= 0` means verl's default, 512. The `impl_backend="torch"` path is checked
+(the Triton one needs CUDA).
+"""
+from __future__ import annotations
+
+import torch
+
+from harness.targets.peers._mpu import gather_vocab
+
+HARNESS_CAPABILITIES = {"metric_only_entropy": False}
+HARNESS_PEER = dict(requires=("verl",), install="pip install verl==0.9.1",
+                    upstream=("verl.utils.experimental.torch_functional.FusedLinearForPPO",))
+VERL_DEFAULT_CHUNK = 512
+
+
+def calculate_linear_log_probs_and_entropy(hidden, weight, tokens, tp_group, with_entropy=False, chunk_size=-1,
+                                           with_entropy_grad=True):
+    """Fused-linear level over verl: `(log_prob [T] float32, entropy [T] or None)`."""
+    from verl.utils.experimental.torch_functional import FusedLinearForPPO
+
+    fused = FusedLinearForPPO(chunk_size=chunk_size if chunk_size > 0 else VERL_DEFAULT_CHUNK, impl_backend="torch")
+    tokens = tokens.reshape(-1).to(device=hidden.device, dtype=torch.long)
+    log_prob, entropy = fused(hidden, gather_vocab(weight, tp_group, dim=0), tokens)
+    return log_prob, entropy if with_entropy else None

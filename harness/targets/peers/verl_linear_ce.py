@@ -1,0 +1,28 @@
+"""verl's Triton fused linear cross entropy, `linear_cross_entropy` (CUDA only), as a fused-linear target.
+
+`verl.utils.kernel.linear_cross_entropy.linear_cross_entropy(hidden, weight, labels, temperature,
+reduction, dist_process_group)` is verl's memory-saving kernel (`use_fused_kernels`): it takes the
+hidden states and this rank's vocab shard of the LM head's weight, reduces over
+`dist_process_group`, and returns `(logprobs, entropy)`, as verl's `model_forward_fused` calls it
+(temperature 1.0, reduction "none", the TP group). Its kernels are Triton and it opens NVTX
+ranges, so the target declares `"cpu": False`: CPU runs refuse it and pytest sessions skip it. It
+has no metric-only flag; with `with_entropy=False` the adapter drops the entropy it computes anyway.
+This adapter has not yet run on a GPU from this project (docs/peers.md).
+"""
+from __future__ import annotations
+
+import torch
+
+HARNESS_CAPABILITIES = {"metric_only_entropy": False, "cpu": False}
+HARNESS_PEER = dict(requires=("verl", "triton"), install="pip install verl==0.9.1 (on a CUDA machine)",
+                    upstream=("verl.utils.kernel.linear_cross_entropy.linear_cross_entropy",))
+
+
+def calculate_linear_log_probs_and_entropy(hidden, weight, tokens, tp_group, with_entropy=False, chunk_size=-1,
+                                           with_entropy_grad=True):
+    """Fused-linear level over verl's Triton kernel: `(log_prob [T], entropy [T] or None)`."""
+    from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
+
+    tokens = tokens.reshape(-1).to(device=hidden.device, dtype=torch.long)
+    log_prob, entropy = linear_cross_entropy(hidden, weight, tokens, 1.0, "none", tp_group)
+    return log_prob, entropy if with_entropy else None
