@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from cases.case import Case, KernelCase
+from cases.case import Case, KernelCase, LinearCase
 
 CAPABILITIES = ("entropy", "keep_mask")
 
@@ -19,7 +19,7 @@ def needs(case: Case) -> set[str]:
     out = set()
     if case.with_entropy:
         out.add("entropy")
-    if (case.mask != "none") if isinstance(case, KernelCase) else (case.top_p != "none"):
+    if getattr(case, "mask", "none") != "none" or getattr(case, "top_p", "none") != "none":
         out.add("keep_mask")
     return out
 
@@ -27,7 +27,7 @@ def needs(case: Case) -> set[str]:
 def fit(case: Case, supports: Callable[[str], bool]) -> Case:
     """The nearest case that needs only what `supports` allows (the case itself when it does)."""
     if case.with_entropy and not supports("entropy"):
-        case = case.replace(with_entropy=False, loss_terms="both") if isinstance(case, KernelCase) \
+        case = case.replace(with_entropy=False, loss_terms="both") if isinstance(case, (KernelCase, LinearCase)) \
             else case.replace(with_entropy=False)
     if "keep_mask" in needs(case) and not supports("keep_mask"):
         case = case.replace(mask="none") if isinstance(case, KernelCase) else case.replace(top_p="none")

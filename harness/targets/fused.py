@@ -395,3 +395,13 @@ HARNESS_MEMORY_BUDGET = {"retained": 1.0, "peak_forward": 9.0, "peak_backward": 
 ROUTINE = FusedLogProbEntropy()
 calculate_log_probs_and_entropy = ROUTINE.calculate_log_probs_and_entropy
 get_log_probs_and_entropy = ROUTINE.get_log_probs_and_entropy
+
+
+def __getattr__(name: str):
+    """The fused-linear level's built-in routine, so that this default target checks all three
+    levels. Resolved on first use: `fused_linear` builds on this module, so it cannot be imported
+    at the top of it."""
+    if name == "calculate_linear_log_probs_and_entropy":
+        from harness.targets.fused_linear import calculate_linear_log_probs_and_entropy
+        return calculate_linear_log_probs_and_entropy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
