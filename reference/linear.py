@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .kernel import entropy, log_probs, logits_grad
 
-__all__ = ["linear_logits", "linear_log_probs", "linear_entropy", "linear_grads"]
+__all__ = ["linear_entropy", "linear_grads", "linear_log_probs", "linear_logits"]
 
 
 def linear_logits(hidden: Tensor, weight: Tensor) -> Tensor:

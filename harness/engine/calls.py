@@ -174,7 +174,7 @@ class LinearShard:
     w_entropy: torch.Tensor | None
 
     @classmethod
-    def of(cls, case: LinearCase, rank: int, device: torch.device) -> "LinearShard":
+    def of(cls, case: LinearCase, rank: int, device: torch.device) -> LinearShard:
         full = case.inputs()
         rows = slice(rank * case.v_local, (rank + 1) * case.v_local)
         hidden = full.hidden.clone().to(device).requires_grad_(case.requires_grad)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from harness.targets.fused import FusedLogProbEntropy
 
-__all__ = ["FusedLinearLogProbEntropy", "LINEAR_ROUTINE", "calculate_linear_log_probs_and_entropy"]
+__all__ = ["LINEAR_ROUTINE", "FusedLinearLogProbEntropy", "calculate_linear_log_probs_and_entropy"]
 
 
 class _LinearFunction(torch.autograd.Function):
