@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cases.case import LinearCase  # noqa: E402
 from harness.checks import oracle  # noqa: E402
 from harness.checks.tolerance import compare  # noqa: E402
-from harness.targets.fused_linear import LINEAR_ROUTINE  # noqa: E402
+from harness.targets.fused import LINEAR_ROUTINE  # noqa: E402
 
 F32 = torch.float32
 QUANTITIES = ("log_prob", "entropy", "grad_hidden", "grad_weight")

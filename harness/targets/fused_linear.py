@@ -4,8 +4,8 @@ entropy (docs/fused-linear.md), the default target of the `linear` level.
     calculate_linear_log_probs_and_entropy(hidden [T, H], weight [V_local, H], tokens [T], tp_group,
                                            with_entropy=False, chunk_size=-1, with_entropy_grad=True)
 
-It builds on the kernel routine (`harness.targets.fused`): the same collective and statistic steps,
-per row chunk, on logits it computes itself. Forward, per chunk ``[s, e)`` (all float32):
+It builds on the kernel routine: the same collective and statistic steps, per row chunk, on logits
+it computes itself. Forward, per chunk ``[s, e)`` (all float32):
 ``x = h[s:e] W^T`` (float32 accumulation whatever the inputs' dtype), then the kernel's all-reduces
 (``max``, ``sumexp``, ``target_logit``, ``entropy_term``). Saved for backward: the caller's
 ``hidden``, ``weight`` and ``tokens`` (no copies) and the per-row ``lse`` (and ``entropy`` when it is
@@ -15,16 +15,17 @@ over the TP group afterwards: every rank holds the full gradient, as Megatron's 
 backward does) and ``dW = G^T h`` for the local shard, in float32, rounded once to the inputs' dtypes.
 
 Like the kernel routine, every concern is a method, so a mutant overrides exactly one
-(`harness/targets/mutants/linear.py`).
+(`harness/targets/mutants/linear.py`). The steps here are a mixin: the statistics and collectives
+(``row_max``, ``sum_exp``, ``target_logit``, ``entropy``, ``all_reduce``, ...) are the kernel
+routine's, and `harness.targets.fused` combines the two into ``FusedLinearLogProbEntropy`` (which
+is how the default target provides all three levels without an import cycle).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from harness.targets.fused import FusedLogProbEntropy
-
-__all__ = ["LINEAR_ROUTINE", "FusedLinearLogProbEntropy", "calculate_linear_log_probs_and_entropy"]
+__all__ = ["FusedLinearSteps"]
 
 
 class _LinearFunction(torch.autograd.Function):
@@ -33,19 +34,20 @@ class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, tokens, routine, tp_group, with_entropy, chunk_size, needs_grad,
                 entropy_grad):
-        return routine.forward(ctx, hidden, weight, tokens, tp_group, with_entropy, chunk_size, needs_grad,
-                               entropy_grad)
+        return routine.linear_forward(ctx, hidden, weight, tokens, tp_group, with_entropy, chunk_size, needs_grad,
+                                      entropy_grad)
 
     @staticmethod
     def backward(ctx, grad_log_prob, grad_entropy):
-        grad_hidden, grad_weight = ctx.routine.backward(ctx, grad_log_prob, grad_entropy)
+        grad_hidden, grad_weight = ctx.routine.linear_backward(ctx, grad_log_prob, grad_entropy)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
-class FusedLinearLogProbEntropy(FusedLogProbEntropy):
-    """Chunked fused-linear log-prob and entropy, recomputing the logits in backward."""
+class FusedLinearSteps:
+    """Chunked fused-linear log-prob and entropy, recomputing the logits in backward; mixed into the
+    kernel routine, whose steps it calls (its own names never shadow the kernel's, so the combined
+    class's kernel entry points stay the kernel's)."""
 
-    # Its own autograd shell: the inherited kernel entry points keep `function` and stay correct.
     linear_function = _LinearFunction
 
     # ------------------------------------------------------------------ linear steps
@@ -66,7 +68,8 @@ class FusedLinearLogProbEntropy(FusedLogProbEntropy):
         return self.all_reduce(grad_hidden, dist.ReduceOp.SUM, group, "grad_hidden")
 
     # ------------------------------------------------------------------ orchestration
-    def forward(self, ctx, hidden, weight, tokens, tp_group, with_entropy, chunk_size, needs_grad, entropy_grad):
+    def linear_forward(self, ctx, hidden, weight, tokens, tp_group, with_entropy, chunk_size, needs_grad,
+                       entropy_grad):
         group, _world, rank = self.group_info(tp_group)
         num_rows, v_local = hidden.shape[0], weight.shape[0]
         start = self.shard_start(rank, v_local)
@@ -101,7 +104,7 @@ class FusedLinearLogProbEntropy(FusedLogProbEntropy):
             ctx.save_for_backward(hidden, weight, tokens, lse_all, *((entropy,) if entropy_grad else ()))
         return log_prob, entropy
 
-    def backward(self, ctx, grad_log_prob, grad_entropy):
+    def linear_backward(self, ctx, grad_log_prob, grad_entropy):
         if not ctx.saved_any:
             return None, None
         hidden, weight, tokens, lse, *rest = ctx.saved_tensors
@@ -143,6 +146,3 @@ class FusedLinearLogProbEntropy(FusedLogProbEntropy):
         return self.linear_function.apply(hidden, weight, tokens, self, tp_group, bool(with_entropy), chunk_size,
                                    needs_grad, entropy_grad)
 
-
-LINEAR_ROUTINE = FusedLinearLogProbEntropy()
-calculate_linear_log_probs_and_entropy = LINEAR_ROUTINE.calculate_linear_log_probs_and_entropy

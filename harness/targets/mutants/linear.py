@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.targets.fused_linear import FusedLinearLogProbEntropy as Linear
+from harness.targets.fused import FusedLinearLogProbEntropy as Linear
 from harness.targets.mutants import mutant
 
 LINEAR = ("linear",)
@@ -29,9 +29,10 @@ class WeightGradWrongShard(Linear):
 @mutant("linear-logits-saved", "the [T, V_local] logits kept for backward", ("memory-linear-retained",),
         "the O(T*V) memory fusing the LM head exists to avoid", levels=LINEAR)
 class LogitsSaved(Linear):
-    def forward(self, ctx, hidden, weight, tokens, tp_group, with_entropy, chunk_size, needs_grad, entropy_grad):
-        out = super().forward(ctx, hidden, weight, tokens, tp_group, with_entropy, chunk_size, needs_grad,
-                              entropy_grad)
+    def linear_forward(self, ctx, hidden, weight, tokens, tp_group, with_entropy, chunk_size, needs_grad,
+                       entropy_grad):
+        out = super().linear_forward(ctx, hidden, weight, tokens, tp_group, with_entropy, chunk_size,
+                                     needs_grad, entropy_grad)
         if needs_grad:
             # "Saves a recompute": the float32 logits of every row, alive until backward.
             ctx.logits = self.chunk_logits(hidden, self.upcast(weight))
