@@ -141,7 +141,7 @@ def main(argv: list[str]) -> None:
     print(f"{len(cases)} cases (T=24, chunk 7, TP 1/2/4, fp32/bf16/fp16, normal/peaked/wide); "
           "worst |error| / bound:")
     print(f"{'variant':34}" + "".join(f"{q:>13}" for q in QUANTITIES))
-    rows = [(n, v, ("fp32", "bf16", "fp16")) for n, v in CORRECT.items()]
+    rows = [(f"{n} ({dt})", v, (dt,)) for n, v in CORRECT.items() for dt in ("fp32", "bf16", "fp16")]
     rows += [(n, v, ("fp32",) if "fp32 inputs" in n else ("fp32", "bf16", "fp16")) for n, v in DEFECTS.items()]
     for name, variant, dtypes in rows:
         r = worst(variant, cases, dtypes)
