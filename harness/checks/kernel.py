@@ -70,7 +70,7 @@ def grad_flags(ev: Evidence) -> list[str]:
         lp, ent = r.obs.log_prob_meta, r.obs.entropy_meta
         if lp and lp.requires_grad != c.grad_on:
             problems.append(f"rank {r.rank}: log_prob.requires_grad={lp.requires_grad}, "
-                            f"logits.requires_grad={c.requires_grad}, context {c.context}")
+                            f"inputs' requires_grad={c.requires_grad}, context {c.context}")
         if c.with_entropy and ent is None:
             problems.append(f"rank {r.rank}: with_entropy=True but entropy is None")
         if not c.with_entropy and ent is not None:
@@ -78,7 +78,7 @@ def grad_flags(ev: Evidence) -> list[str]:
         if ent is not None and c.with_entropy and ent.requires_grad != c.expects_entropy_grad:
             problems.append(
                 f"rank {r.rank}: entropy.requires_grad={ent.requires_grad}, expected {c.expects_entropy_grad} "
-                f"(with_entropy_grad={c.with_entropy_grad}, logits.requires_grad={c.requires_grad}, "
+                f"(with_entropy_grad={c.with_entropy_grad}, inputs' requires_grad={c.requires_grad}, "
                 f"context {c.context})")
     return problems
 

@@ -6,7 +6,8 @@ pairwise or blocked sums with sequential chains of at most CHAIN roundings combi
 (every order at all below V = CHAIN / 2), online softmax over vocab blocks, recompute in backward,
 all-gather plus torch.log_softmax. It grows with the vocab size, the logits' magnitudes and the
 entropy, not with a tuned constant; math in bf16 or a gradient rounded to bf16 exceed it by far
-(the `low-precision-math` and `gradient-quantized-bf16` mutants).
+(the `low-precision-math` and `gradient-quantized-bf16` mutants). `linear_bounds` extends it to the
+fused-linear level: the float32 matmuls over H (forward) and over V and T (backward).
 """
 from __future__ import annotations
 
