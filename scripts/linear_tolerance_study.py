@@ -10,16 +10,16 @@ from __future__ import annotations
 import itertools
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cases.case import LinearCase  # noqa: E402
-from harness.checks import oracle  # noqa: E402
-from harness.checks.tolerance import compare  # noqa: E402
-from harness.targets.fused import LINEAR_ROUTINE  # noqa: E402
+from cases.case import LinearCase
+from harness.checks import oracle
+from harness.checks.tolerance import compare
+from harness.targets.fused import LINEAR_ROUTINE
 
 F32 = torch.float32
 QUANTITIES = ("log_prob", "entropy", "grad_hidden", "grad_weight")

@@ -119,7 +119,7 @@ def test_strategy_draws_every_tp_and_regime() -> None:
     @given(linear_cases())
     def draw(case: LinearCase) -> None:
         assert case.H <= 64 and case.v_local <= 32 and case.T <= 24
-        for k in seen:
-            seen[k].add(getattr(case, k))
+        for k, values in seen.items():
+            values.add(getattr(case, k))
     draw()
     assert seen == {"tp": {1, 2, 4}, "regime": {"normal", "peaked", "wide"}, "dtype": {"fp32", "bf16", "fp16"}}

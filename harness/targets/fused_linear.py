@@ -22,6 +22,8 @@ is how the default target provides all three levels without an import cycle).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -63,13 +65,14 @@ class FusedLinearSteps:
         """dW += G^T h for one chunk, in float32 (the chunks' contributions summed, not replaced)."""
         grad_weight.addmm_(g.T, h)
 
-    def reduce_grad_hidden(self, grad_hidden: torch.Tensor, group) -> torch.Tensor:
+    def reduce_grad_hidden(self, grad_hidden: torch.Tensor, group: Any) -> torch.Tensor:
         """Each shard's partial G W summed over the TP group: the full gradient on every rank."""
         return self.all_reduce(grad_hidden, dist.ReduceOp.SUM, group, "grad_hidden")
 
     # ------------------------------------------------------------------ orchestration
-    def linear_forward(self, ctx, hidden, weight, tokens, tp_group, with_entropy, chunk_size, needs_grad,
-                       entropy_grad):
+    def linear_forward(self, ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor,
+                       tp_group: Any, with_entropy: bool, chunk_size: int, needs_grad: bool,
+                       entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         group, _world, rank = self.group_info(tp_group)
         num_rows, v_local = hidden.shape[0], weight.shape[0]
         start = self.shard_start(rank, v_local)
@@ -104,7 +107,8 @@ class FusedLinearSteps:
             ctx.save_for_backward(hidden, weight, tokens, lse_all, *((entropy,) if entropy_grad else ()))
         return log_prob, entropy
 
-    def linear_backward(self, ctx, grad_log_prob, grad_entropy):
+    def linear_backward(self, ctx: Any, grad_log_prob: torch.Tensor, grad_entropy: torch.Tensor | None
+                        ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if not ctx.saved_any:
             return None, None
         hidden, weight, tokens, lse, *rest = ctx.saved_tensors
@@ -133,8 +137,10 @@ class FusedLinearSteps:
                 self.cast_grad(grad_weight, weight.dtype) if need_w else None)
 
     # ------------------------------------------------------------------ the linear level's entry point
-    def calculate_linear_log_probs_and_entropy(self, hidden, weight, tokens, tp_group, with_entropy=False,
-                                               chunk_size=-1, with_entropy_grad=True):
+    def calculate_linear_log_probs_and_entropy(self, hidden: torch.Tensor, weight: torch.Tensor,
+                                               tokens: torch.Tensor, tp_group: Any, with_entropy: bool = False,
+                                               chunk_size: int = -1, with_entropy_grad: bool = True
+                                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Fused-linear: ``(log_prob [T] float32, entropy [T] float32 or None)`` of
         ``hidden @ W_full.T``, where this rank holds rows ``[r*V_local, (r+1)*V_local)`` of ``W_full``."""
         if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
