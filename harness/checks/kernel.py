@@ -43,7 +43,8 @@ def gradients(ev: Evidence) -> list[str]:
     hidden-state gradient is the full one (all-reduced over the TP group)."""
     grad = ev.full_grad()
     if grad is None:
-        return ["no gradient reached the logits (log_prob is not differentiable)"]
+        inputs = "the weight shard" if ev.case.level == "linear" else "the logits"
+        return [f"no gradient reached {inputs} (log_prob is not differentiable)"]
     exp = ev.expected
     if ev.case.level != "linear":
         return ev.compare(grad, exp.grad, exp.grad_tol, "grad (all shards)")
