@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from cases.case import Case, KernelCase
+from cases.case import Case, KernelCase, LinearCase
 
 # entropy: computes one; keep_mask: takes log_prob_keep_mask; metric_only_entropy: honours
 # with_entropy_grad=False (an entropy without autograd history). A routine without the last one
@@ -24,20 +24,20 @@ def needs(case: Case) -> set[str]:
     out = set()
     if case.with_entropy:
         out.add("entropy")
-        if isinstance(case, KernelCase) and not case.with_entropy_grad:
+        if not getattr(case, "with_entropy_grad", True):
             out.add("metric_only_entropy")
-    if (case.mask != "none") if isinstance(case, KernelCase) else (case.top_p != "none"):
+    if getattr(case, "mask", "none") != "none" or getattr(case, "top_p", "none") != "none":
         out.add("keep_mask")
     return out
 
 
 def fit(case: Case, supports: Callable[[str], bool]) -> Case:
     """The nearest case that needs only what `supports` allows (the case itself when it does)."""
-    if isinstance(case, KernelCase) and case.with_entropy and not case.with_entropy_grad \
+    if isinstance(case, (KernelCase, LinearCase)) and case.with_entropy and not case.with_entropy_grad \
             and not supports("metric_only_entropy"):
         case = case.replace(with_entropy_grad=True)
     if case.with_entropy and not supports("entropy"):
-        case = case.replace(with_entropy=False, loss_terms="both") if isinstance(case, KernelCase) \
+        case = case.replace(with_entropy=False, loss_terms="both") if isinstance(case, (KernelCase, LinearCase)) \
             else case.replace(with_entropy=False)
     if "keep_mask" in needs(case) and not supports("keep_mask"):
         case = case.replace(mask="none") if isinstance(case, KernelCase) else case.replace(top_p="none")

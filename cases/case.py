@@ -317,11 +317,84 @@ class WrapperCase(_CaseBase):
         return WrapperInputs(logits, tokens, ids, offsets, w1, w2, w1b, w2b)
 
 
+LINEAR_REGIMES = ("normal", "peaked", "wide")
+# The spread of the logits hidden @ weight.T per regime: O(1) to O(10), as a trained LM head's are.
+_LINEAR_SCALE = {"normal": 2.0, "peaked": 2.0, "wide": 8.0}
+_LINEAR_SPIKE = 14.0  # a peaked row's confident logit stands this far above the rest (cf. `_logits`)
+
+
+@dataclass(frozen=True)
+class LinearInputs:
+    hidden: torch.Tensor  # [T, H], case dtype, replicated on every TP rank
+    weight: torch.Tensor  # [V, H], case dtype: the full LM head; rank r holds rows [r*V_local, (r+1)*V_local)
+    tokens: torch.Tensor  # [T] int64
+    w_log_prob: torch.Tensor | None
+    w_entropy: torch.Tensor | None
+
+    def total_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.w_log_prob, self.w_entropy
+
+
+@dataclass(frozen=True)
+class LinearCase(_CaseBase):
+    """A fused-linear case (docs/fused-linear.md): hidden states [T, H] and the LM head's vocab
+    shard [V_local, H] in, log-probs and entropy out. Called on the training path only, laid out
+    contiguously, in one TP group (no DP replicas): the kernel level covers those axes."""
+    tp: int
+    T: int
+    H: int
+    v_local: int
+    dtype: str = "fp32"
+    regime: str = "normal"  # LINEAR_REGIMES
+    chunk_size: int = -1
+    with_entropy: bool = True
+    with_entropy_grad: bool = True
+    requires_grad: bool = True  # the hidden states and the weight shard both require grad (or neither)
+    loss_terms: str = "both"  # which outputs the upstream loss uses: both | log_prob | entropy
+    seed: int = 0
+    level: ClassVar[str] = "linear"
+    dp: ClassVar[int] = 1
+    context: ClassVar[str] = "train"
+    layout: ClassVar[str] = "contiguous"
+
+    grad_on = KernelCase.grad_on
+    expects_entropy_grad = KernelCase.expects_entropy_grad
+    has_backward = KernelCase.has_backward
+
+    def group(self) -> str:
+        return f"{self.level}-tp{self.tp}-{self.dtype}"
+
+    def inputs(self) -> LinearInputs:
+        """Drawn from (seed, T, H, V) only, not from the TP size, so the same global case at TP 1
+        (tp-invariance) sees the same values."""
+        g = _generator(self.seed)
+        T, H, V = self.T, self.H, self.vocab
+        scale = _LINEAR_SCALE[self.regime]
+        hidden = torch.randn(T, H, generator=g, dtype=torch.float64)
+        # Rows of norm ~scale, so a logit h . w is ~N(0, scale^2) for unit-variance hidden states.
+        weight = torch.randn(V, H, generator=g, dtype=torch.float64) * (scale / math.sqrt(max(H, 1)))
+        tokens = torch.randint(0, V, (T,), generator=g)
+        if self.regime == "peaked" and T and H:
+            # One confident entry per row: the hidden state pushed along one weight row, raising that
+            # logit by about _LINEAR_SPIKE (and the others by O(spike / sqrt(H)) at random).
+            spike = torch.randint(0, V, (T,), generator=g)
+            w = weight[spike]
+            hidden += _LINEAR_SPIKE * w / w.pow(2).sum(-1, keepdim=True).clamp_min(1e-12)
+        edges = sorted({i for k in (1, 2, 4, 8) if V % k == 0 for r in range(k)
+                        for i in (r * (V // k), (r + 1) * (V // k) - 1)})  # as KernelCase.inputs
+        n = min(T, len(edges))
+        tokens[:n] = torch.tensor(edges[:n], dtype=torch.int64)
+        dtype = DTYPES[self.dtype]
+        w1, w2 = torch.randn(T, generator=g), torch.randn(T, generator=g)
+        lp, ent = self.loss_terms != "entropy", self.loss_terms != "log_prob"
+        return LinearInputs(hidden.to(dtype), weight.to(dtype), tokens, w1 if lp else None, w2 if ent else None)
+
+
 # Case fields that are left out of a spec at their default value (see `spec`).
 _LATER_FIELDS = frozenset({"dp", "layout", "token_layout", "context", "batch_of", "row_start", "repeat"})
 
-CASE_TYPES: dict[str, type] = {"kernel": KernelCase, "wrapper": WrapperCase}
-Case = KernelCase | WrapperCase
+CASE_TYPES: dict[str, type] = {"kernel": KernelCase, "wrapper": WrapperCase, "linear": LinearCase}
+Case = KernelCase | WrapperCase | LinearCase
 
 
 def fmt_field(value: Any) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cases.case import Case, KernelCase, WrapperCase
+from cases.case import Case, KernelCase, LinearCase, WrapperCase
 
 
 @dataclass(frozen=True)
@@ -82,4 +82,16 @@ CORPUS: tuple[Regression, ...] = (
                KernelCase(tp=2, T=6, v_local=5, context="two_calls", token_layout="strided", seed=144)),
     Regression("microbatch-accumulation", "caller: two microbatches accumulated into the same .grad",
                "wrapper-gradients", _w(entropy_coef=0.01, context="accumulate")),
+    # The fused-linear level (docs/fused-linear.md).
+    Regression("linear-column-parallel-grad", "fused linear: the hidden states' gradient is a sum over every "
+               "vocab shard, all-reduced so each rank holds all of it (Megatron's column-parallel backward)",
+               "gradients", LinearCase(tp=2, T=6, H=8, v_local=5, chunk_size=4, seed=16)),
+    Regression("linear-logits-not-retained", "fused linear: retained memory is O(T*H), never the [T, V_local] "
+               "logits the fusion exists to avoid", "memory-linear-retained",
+               LinearCase(tp=2, T=16, H=16, v_local=64, chunk_size=4, seed=17)),
+    Regression("linear-metric-only-entropy", "slime #2153 at the fused-linear level: with_entropy_grad=False gives "
+               "a metric-only entropy", "grad-flags",
+               LinearCase(tp=2, T=5, H=12, v_local=6, with_entropy_grad=False, seed=18)),
+    Regression("linear-peaked-bf16", "fused linear: bf16 inputs, float32 matmul accumulation; a peaked row",
+               "values", LinearCase(tp=4, T=7, H=48, v_local=9, dtype="bf16", regime="peaked", seed=19)),
 )

@@ -21,16 +21,18 @@ class Profile:
     dp_wrapper_cases: int = 0
     # TP sizes added to those asked for (small cases: the strategies' shapes are small at any size).
     extra_tp: tuple[int, ...] = ()
+    linear_cases: int = 0  # randomized fused-linear cases per TP size (docs/fused-linear.md)
 
 
 PROFILES = {
-    "smoke": Profile("smoke", kernel_cases=12, wrapper_cases=5, pytest_examples=4),
+    "smoke": Profile("smoke", kernel_cases=12, wrapper_cases=5, pytest_examples=4, linear_cases=4),
     "ci": Profile("ci", kernel_cases=150, wrapper_cases=40, pytest_examples=8,
-                  dp_tp=(2,), dp_kernel_cases=24, dp_wrapper_cases=6),
+                  dp_tp=(2,), dp_kernel_cases=24, dp_wrapper_cases=6, linear_cases=30),
     "dev": Profile("dev", kernel_cases=150, wrapper_cases=40, pytest_examples=15,
-                   dp_tp=(2,), dp_kernel_cases=24, dp_wrapper_cases=6),
+                   dp_tp=(2,), dp_kernel_cases=24, dp_wrapper_cases=6, linear_cases=30),
     "thorough": Profile("thorough", kernel_cases=2000, wrapper_cases=500, pytest_examples=100,
-                        dp_tp=(2, 4), dp_kernel_cases=300, dp_wrapper_cases=80, extra_tp=(3, 8)),
+                        dp_tp=(2, 4), dp_kernel_cases=300, dp_wrapper_cases=80, extra_tp=(3, 8),
+                        linear_cases=400),
 }
 DEFAULT_PROFILE = "ci"
 

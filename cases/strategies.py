@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from cases.case import CONTEXTS, LAYOUTS, LOSS_TERMS, MASKS, REGIMES, TOKEN_LAYOUTS, TOP_P, KernelCase, WrapperCase
+from cases.case import (CONTEXTS, LAYOUTS, LINEAR_REGIMES, LOSS_TERMS, MASKS, REGIMES, TOKEN_LAYOUTS, TOP_P,
+                        KernelCase, LinearCase, WrapperCase)
 
 TP_SIZES = (1, 2, 4)
 SEEDS = st.integers(0, 2**31 - 1)
@@ -93,4 +94,27 @@ def wrapper_cases(draw, tp=st.sampled_from(TP_SIZES), top_p: bool | None = None,
     )
 
 
-LEVEL_STRATEGIES = {"kernel": kernel_cases, "wrapper": wrapper_cases}
+@st.composite
+def linear_cases(draw, tp=st.sampled_from(TP_SIZES), dtype=st.sampled_from(("fp32", "bf16", "fp16")),
+                 entropy: bool = True, keep_mask: bool = True, dp=st.just(1)) -> LinearCase:
+    """Fused-linear cases (docs/fused-linear.md): small T, H and V_local, so the level costs a tenth
+    of the kernel's time. `keep_mask` and `dp` are the other levels' knobs: this level has no keep
+    mask, and its cases run in one TP group."""
+    T = draw(st.one_of(st.sampled_from((1, 2, 3, 5, 7, 11, 0)), st.integers(0, 24)))
+    with_entropy = entropy and draw(st.booleans())
+    return LinearCase(
+        tp=draw(tp), T=T,
+        H=draw(st.one_of(st.sampled_from((8, 1, 3, 16, 64)), st.integers(1, 64))),
+        v_local=draw(st.one_of(st.sampled_from((4, 1, 3, 7, 32)), st.integers(1, 32))),
+        dtype=draw(dtype),
+        regime=draw(st.sampled_from(LINEAR_REGIMES)),
+        chunk_size=_chunk(draw, T),
+        with_entropy=with_entropy,
+        with_entropy_grad=draw(st.booleans()),
+        requires_grad=draw(st.sampled_from((True, False))),
+        loss_terms=draw(st.sampled_from(LOSS_TERMS)) if with_entropy else "both",
+        seed=draw(SEEDS),
+    )
+
+
+LEVEL_STRATEGIES = {"kernel": kernel_cases, "wrapper": wrapper_cases, "linear": linear_cases}

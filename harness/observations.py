@@ -56,8 +56,10 @@ class Observation:
     entropy: Values = None
     log_prob_meta: Union[TensorMeta, list[Optional[TensorMeta]], None] = None
     entropy_meta: Union[TensorMeta, list[Optional[TensorMeta]], None] = None
-    grad: Optional[torch.Tensor] = None  # this rank's gradient w.r.t. its logits shard
+    grad: Optional[torch.Tensor] = None  # this rank's gradient w.r.t. its logits shard (linear: its weight shard)
     grad_meta: Optional[TensorMeta] = None
+    grad_hidden: Optional[torch.Tensor] = None  # linear level: this rank's gradient w.r.t. the hidden states
+    grad_hidden_meta: Optional[TensorMeta] = None
     integrity: list[str] = field(default_factory=list)  # problems with the caller's inputs after the call
     memory: dict[str, Any] = field(default_factory=dict)  # `meters.memory.Meter.figures`
     n_forward_collectives: Optional[int] = None  # wrapper: how many of the trace's collectives the forward issued

@@ -1,6 +1,7 @@
 """Float64 reference oracle for fused tensor-parallel log-prob/entropy routines (CONTRACT.md)."""
 
 from .kernel import effective_keep_mask, entropy, log_probs, logits_grad
+from .linear import linear_entropy, linear_grads, linear_log_probs, linear_logits
 from .wrapper import (
     apply_temperature,
     recorded_rows,
@@ -25,4 +26,8 @@ __all__ = [
     "top_p_keep_mask",
     "wrapper_outputs",
     "wrapper_logits_grad",
+    "linear_logits",
+    "linear_log_probs",
+    "linear_entropy",
+    "linear_grads",
 ]

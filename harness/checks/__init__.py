@@ -45,11 +45,12 @@ class Evidence:
         return self.ranks[rank].obs
 
     def full_grad(self) -> torch.Tensor | None:
-        """The gradient assembled from every rank's shard, in rank order."""
+        """The gradient assembled from every rank's shard, in rank order: the logits' [T, V] (shards
+        along the vocab, the last dim), or at the linear level the LM head's [V, H] (along the first)."""
         shards = [r.obs.grad for r in self.ranks]
         if any(s is None for s in shards):
             return None
-        return torch.cat(shards, dim=-1)
+        return torch.cat(shards, dim=0 if self.case.level == "linear" else -1)
 
     def compare(self, actual: Any, expected: torch.Tensor, bound: torch.Tensor, what: str) -> list[str]:
         """`tolerance.compare`, also recording how much of the bound was used (for the margin plots)."""
@@ -69,6 +70,7 @@ CONTEXT_LIMITS: dict[str, tuple[tuple[str, ...], str]] = {
                                     "cannot be told apart"),
 }
 FAMILIES = ("default", "bitwise")  # bitwise: opt-in (`--bitwise`)
+CALL_LEVELS = ("kernel", "wrapper", "linear")  # checks of any call: it runs, returns, issues matched collectives
 
 
 @dataclass(frozen=True)

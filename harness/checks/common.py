@@ -1,8 +1,8 @@
-"""Checks that hold at both contract levels: it runs, it returns, it runs on empty input, every
+"""Checks that hold at every contract level: it runs, it returns, it runs on empty input, every
 rank issues the same collectives, and the caller's inputs survive."""
 from __future__ import annotations
 
-from harness.checks import Evidence, bitwise_diff, check
+from harness.checks import CALL_LEVELS, Evidence, bitwise_diff, check
 from harness.meters.trace import fmt_event
 from harness.observations import HANG_KINDS
 
@@ -11,13 +11,13 @@ def _errors(ev: Evidence) -> list[str]:
     return [f"rank {r.rank} {r.error_kind}: {r.error}" for r in ev.failed_ranks]
 
 
-@check("crash", applies=lambda c, t: c.T > 0, needs=None)
+@check("crash", levels=CALL_LEVELS, applies=lambda c, t: c.T > 0, needs=None)
 def crash(ev: Evidence) -> list[str]:
     """Every rank returns without raising or dying (a rank that never returns is `hang`'s)."""
     return [f"rank {r.rank} {r.error_kind}: {r.error}" for r in ev.failed_ranks if r.error_kind not in HANG_KINDS]
 
 
-@check("hang", needs=None)
+@check("hang", levels=CALL_LEVELS, needs=None)
 def hang(ev: Evidence) -> list[str]:
     """Every rank returns: none is left blocked in a collective its peers never joined (found by
     evidence from the ranks' collective progress, long before the collective timeout), and none
@@ -25,7 +25,7 @@ def hang(ev: Evidence) -> list[str]:
     return [str(r.error) for r in ev.ranks if r.error_kind in HANG_KINDS]
 
 
-@check("empty-input", levels=("kernel",), applies=lambda c, t: c.T == 0, needs=None)
+@check("empty-input", levels=("kernel", "linear"), applies=lambda c, t: c.T == 0, needs=None)
 def empty_input(ev: Evidence) -> list[str]:
     """T == 0 returns empty outputs without error, at every TP size."""
     problems = _errors(ev)
@@ -36,7 +36,7 @@ def empty_input(ev: Evidence) -> list[str]:
     return problems
 
 
-@check("collectives", needs=None, min_tp=2)
+@check("collectives", levels=CALL_LEVELS, needs=None, min_tp=2)
 def collectives(ev: Evidence) -> list[str]:
     """Every rank issues the same sequence of collectives (op, group size, shape, dtype)."""
     seqs = [r.trace for r in ev.ranks]
@@ -63,7 +63,7 @@ def inference_path(ev: Evidence) -> list[str]:
     return problems
 
 
-@check("input-integrity", needs="forward")
+@check("input-integrity", levels=CALL_LEVELS, needs="forward")
 def input_integrity(ev: Evidence) -> list[str]:
     """Inputs keep their values and version counters through forward and backward."""
     return [f"rank {r.rank}: {p}" for r in ev.ranks for p in r.obs.integrity]

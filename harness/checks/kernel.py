@@ -1,12 +1,22 @@
-"""Level-1 checks of `calculate_log_probs_and_entropy` against the float64 oracle."""
+"""Level-1 checks of `calculate_log_probs_and_entropy` against the float64 oracle; they hold for
+the fused-linear level too (`calculate_linear_log_probs_and_entropy`, docs/fused-linear.md), whose
+gradients are two: the hidden states' (the same full gradient on every rank) and the weight shard's."""
 from __future__ import annotations
 
 import torch
 
-from cases.case import KernelCase
+from cases.case import KernelCase, LinearCase
 from harness.checks import Evidence, check
 
-KERNEL = ("kernel",)
+KERNEL = ("kernel", "linear")
+_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _grad_shapes(c: KernelCase | LinearCase) -> dict[str, tuple[tuple[int, ...], str]]:
+    """What each rank's gradients must be: name -> (shape, what the dtype follows)."""
+    if isinstance(c, LinearCase):
+        return {"grad": ((c.v_local, c.H), "the weight's"), "grad_hidden": ((c.T, c.H), "the hidden states'")}
+    return {"grad": ((c.T, c.v_local), "the logits'")}
 
 
 def _nonempty(c: KernelCase, t) -> bool:
@@ -28,26 +38,40 @@ def values(ev: Evidence) -> list[str]:
 @check("gradients", levels=KERNEL, applies=lambda c, t: c.T > 0 and c.has_backward, reads=("autograd",))
 def gradients(ev: Evidence) -> list[str]:
     """The local gradient is the local slice of the oracle's gradient of sum(w1*lp) + sum(w2*H);
-    with two calls (accumulated microbatches, or two losses summed in one graph), the sum of both."""
+    with two calls (accumulated microbatches, or two losses summed in one graph), the sum of both.
+    Linear level: the weight shard's gradient is its slice of the full head's, and every rank's
+    hidden-state gradient is the full one (all-reduced over the TP group)."""
     grad = ev.full_grad()
     if grad is None:
-        return ["no gradient reached the logits (log_prob is not differentiable)"]
+        inputs = "the weight shard" if ev.case.level == "linear" else "the logits"
+        return [f"no gradient reached {inputs} (log_prob is not differentiable)"]
     exp = ev.expected
-    return ev.compare(grad, exp.grad, exp.grad_tol, "grad (all shards)")
+    if ev.case.level != "linear":
+        return ev.compare(grad, exp.grad, exp.grad_tol, "grad (all shards)")
+    # Column-parallel: every rank must hold the full gradient of the replicated hidden states.
+    problems = ev.compare(grad, exp.grad, exp.grad_tol, "weight grad (all shards)")
+    for r in ev.ranks:
+        if r.obs.grad_hidden is None:
+            problems.append(f"rank {r.rank}: no gradient reached the hidden states")
+        else:
+            problems += ev.compare(r.obs.grad_hidden, exp.grad_hidden, exp.grad_hidden_tol,
+                                   f"rank {r.rank} hidden grad")
+    return problems
 
 
 @check("grad-flags", levels=KERNEL, needs="forward")
 def grad_flags(ev: Evidence) -> list[str]:
-    """entropy.requires_grad == with_entropy and with_entropy_grad and logits.requires_grad (and
+    """entropy.requires_grad == with_entropy and with_entropy_grad and logits.requires_grad (linear
+    level: the hidden states and weight require grad) (and
     autograd on: nothing carries a gradient under no_grad / inference_mode); entropy is None
     exactly when not requested; log_prob follows the logits."""
-    c: KernelCase = ev.case
+    c: KernelCase | LinearCase = ev.case
     problems = []
     for r in ev.ranks:
         lp, ent = r.obs.log_prob_meta, r.obs.entropy_meta
         if lp and lp.requires_grad != c.grad_on:
             problems.append(f"rank {r.rank}: log_prob.requires_grad={lp.requires_grad}, "
-                            f"logits.requires_grad={c.requires_grad}, context {c.context}")
+                            f"inputs' requires_grad={c.requires_grad}, context {c.context}")
         if c.with_entropy and ent is None:
             problems.append(f"rank {r.rank}: with_entropy=True but entropy is None")
         if not c.with_entropy and ent is not None:
@@ -55,16 +79,17 @@ def grad_flags(ev: Evidence) -> list[str]:
         if ent is not None and c.with_entropy and ent.requires_grad != c.expects_entropy_grad:
             problems.append(
                 f"rank {r.rank}: entropy.requires_grad={ent.requires_grad}, expected {c.expects_entropy_grad} "
-                f"(with_entropy_grad={c.with_entropy_grad}, logits.requires_grad={c.requires_grad}, "
+                f"(with_entropy_grad={c.with_entropy_grad}, inputs' requires_grad={c.requires_grad}, "
                 f"context {c.context})")
     return problems
 
 
 @check("shapes-dtypes", levels=KERNEL, needs="forward")
 def shapes_dtypes(ev: Evidence) -> list[str]:
-    """T elements out, float32 out, the gradient in the logits' dtype and shape."""
-    c: KernelCase = ev.case
-    want_grad_dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[c.dtype]
+    """T elements out, float32 out, the gradient in the logits' dtype and shape (linear level: the
+    weight shard's and the hidden states' gradients in their dtype and shape)."""
+    c: KernelCase | LinearCase = ev.case
+    want_grad_dtype = _DTYPE_NAMES[c.dtype]
     problems = []
     for r in ev.ranks:
         for key, meta in (("log_prob", r.obs.log_prob_meta), ("entropy", r.obs.entropy_meta)):
@@ -75,12 +100,14 @@ def shapes_dtypes(ev: Evidence) -> list[str]:
                 problems.append(f"rank {r.rank}: {key} shape {list(shape)}, expected [{c.T}] or [{c.T}, 1]")
             if meta.dtype != "float32":
                 problems.append(f"rank {r.rank}: {key} dtype {meta.dtype}, expected float32")
-        g = r.obs.grad_meta
-        if g is not None:
+        for key, (shape, whose) in _grad_shapes(c).items():
+            g = getattr(r.obs, f"{key}_meta")
+            if g is None:
+                continue
             if g.dtype != want_grad_dtype:
-                problems.append(f"rank {r.rank}: grad dtype {g.dtype}, expected {want_grad_dtype} (the logits' dtype)")
-            if g.shape != (c.T, c.v_local):
-                problems.append(f"rank {r.rank}: grad shape {list(g.shape)}, expected {[c.T, c.v_local]}")
+                problems.append(f"rank {r.rank}: {key} dtype {g.dtype}, expected {want_grad_dtype} ({whose} dtype)")
+            if g.shape != shape:
+                problems.append(f"rank {r.rank}: {key} shape {list(g.shape)}, expected {list(shape)}")
     return problems
 
 
@@ -90,6 +117,7 @@ def finite(ev: Evidence) -> list[str]:
     exp = ev.expected
     pairs = [("log_prob", ev.obs().log_prob, exp.log_prob), ("entropy", ev.obs().entropy, exp.entropy),
              ("grad", ev.full_grad(), exp.grad)]
+    pairs += [(f"rank {r.rank} grad_hidden", r.obs.grad_hidden, exp.grad_hidden) for r in ev.ranks]
     problems = []
     for name, got, want in pairs:
         if not isinstance(got, torch.Tensor) or want is None or got.numel() != want.numel():
@@ -110,10 +138,11 @@ def _outputs_match(ev: Evidence, other: Evidence, what: str) -> list[str]:
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and bound is not None \
                 and b.numel() == bound.numel():
             problems += ev.compare(a, b.to(torch.float64).reshape(bound.shape), 2 * bound, f"{key} vs {what}")
-    ga, gb = ev.full_grad(), other.full_grad()
-    if ga is not None and gb is not None and exp.grad_tol is not None and gb.numel() == exp.grad_tol.numel():
-        problems += ev.compare(ga, gb.to(torch.float64).reshape(exp.grad_tol.shape), 2 * exp.grad_tol,
-                               f"grad vs {what}")
+    pairs = [("grad", ev.full_grad(), other.full_grad(), exp.grad_tol),
+             ("grad_hidden", ev.obs().grad_hidden, other.obs().grad_hidden, exp.grad_hidden_tol)]
+    for key, ga, gb, bound in pairs:
+        if ga is not None and gb is not None and bound is not None and gb.numel() == bound.numel():
+            problems += ev.compare(ga, gb.to(torch.float64).reshape(bound.shape), 2 * bound, f"{key} vs {what}")
     return problems
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from cases.case import NONCONTIGUOUS, KernelCase, WrapperCase
+from cases.case import DTYPES, NONCONTIGUOUS, LinearCase, WrapperCase
 from harness.checks import Evidence, check
 from harness.meters import memory
 
@@ -59,7 +59,7 @@ def _compare_retained(ev: Evidence, twin: Evidence, what: str) -> list[str]:
     return problems
 
 
-@check("memory-metric-only", levels=("kernel",),
+@check("memory-metric-only", levels=("kernel", "linear"),
        applies=lambda c, t: c.T > 0 and c.requires_grad and c.with_entropy and not c.with_entropy_grad,
        twin=lambda c: c.replace(with_entropy=False, with_entropy_grad=True, loss_terms="both"), reads=("autograd",))
 def metric_only(ev: Evidence) -> list[str]:
@@ -108,12 +108,13 @@ def chunk_passthrough(ev: Evidence) -> list[str]:
 def _backward_reaches_all(c: Any, t: Any) -> bool:
     """Every differentiable output is in the loss, so the backward must free the whole graph (an
     output left out keeps its own graph alive, legitimately, as long as it lives)."""
-    if isinstance(c, KernelCase):
+    if not isinstance(c, WrapperCase):
         return c.T > 0 and c.has_backward and (c.loss_terms == "both" or not c.expects_entropy_grad)
     return c.T > 0 and sum(c.response_lengths) > 0 and c.grad_on
 
 
-@check("memory-backward-frees", applies=_backward_reaches_all, reads=("autograd",))
+@check("memory-backward-frees", levels=("kernel", "wrapper", "linear"), applies=_backward_reaches_all,
+       reads=("autograd",))
 def backward_frees(ev: Evidence) -> list[str]:
     """What the forward retained is freed by the backward (its outputs, which the caller holds,
     excepted), within O(T): nothing [T, V_local]-sized outlives the step, on ctx or elsewhere."""
@@ -169,4 +170,31 @@ def budget(ev: Evidence) -> list[str]:
             if cuda is not None and budget_use(c, cuda - memory.CUDA_BLOCK * (m.get(f"{meter}_count") or 0)) > mult:
                 problems.append(f"rank {r}: CUDA allocator {meter} {_fmt(cuda)} = {cuda / unit:.2f} x T*V_local*4, "
                                 f"above the budget of {mult} x (with {memory.CUDA_BLOCK} B rounding per storage)")
+    return problems
+
+
+def linear_retained_allowance(c: LinearCase) -> int:
+    """What a fused-linear routine may retain after its forward beyond O(T) (docs/fused-linear.md):
+    a float32 copy of each input that is not float32 already (hidden [T, H] and its weight shard
+    [V_local, H]), i.e. O(T*H + V_local*H) bytes, and nothing [T, V_local]: the point of fusing the
+    head is that the logits are recomputed in backward, never kept."""
+    upcast = 0 if DTYPES[c.dtype] == DTYPES["fp32"] else 4 * c.H * (c.T + c.v_local)
+    return upcast + memory.budget_slack(c.T)
+
+
+@check("memory-linear-retained", levels=("linear",), applies=lambda c, t: c.T > 0 and c.grad_on)
+def linear_retained(ev: Evidence) -> list[str]:
+    """The fused-linear forward retains O(T*H), not O(T*V_local): at most a float32 copy of the
+    hidden states and of the weight shard when they are not float32, plus O(T) row statistics and
+    the outputs. A routine that saves its [T, V_local] logits or softmax for backward fails."""
+    c: LinearCase = ev.case
+    allowed = linear_retained_allowance(c)
+    problems = []
+    for r in range(len(ev.ranks)):
+        m = _mem(ev, r)
+        got = m.get("retained")
+        if got is not None and got > allowed:
+            problems.append(f"rank {r}: retained {_fmt(got)} after forward = {got / memory.unit(c.T, c.v_local):.2f} x "
+                            f"T*V_local*4; allowed {_fmt(allowed)} (float32 input copies + O(T)). "
+                            f"Largest: {_list(m.get('retained_tensors', []))}")
     return problems

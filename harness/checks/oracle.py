@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 import reference
-from cases.case import Case, KernelCase, WrapperCase
-from harness.checks.tolerance import grad_bound, value_bounds
+from cases.case import Case, KernelCase, LinearCase, WrapperCase
+from harness.checks.tolerance import grad_bound, linear_bounds, value_bounds
 
 PerSample = list[torch.Tensor]
 
@@ -23,17 +23,21 @@ PerSample = list[torch.Tensor]
 class Expected:
     log_prob: torch.Tensor | PerSample  # kernel: [T]; wrapper: per-sample [R_i]
     entropy: torch.Tensor | PerSample | None
-    grad: torch.Tensor | None  # full [T, V] float64
+    grad: torch.Tensor | None  # full [T, V] float64; linear level: the full weight's [V, H]
     entropy_requires_grad: bool
     log_prob_tol: torch.Tensor | PerSample  # the allowed |error|, shaped like the values
     entropy_tol: torch.Tensor | PerSample | None
-    grad_tol: torch.Tensor | None  # [T, V]
+    grad_tol: torch.Tensor | None  # shaped like grad
+    grad_hidden: torch.Tensor | None = None  # linear level: [T, H], what every TP rank must hold
+    grad_hidden_tol: torch.Tensor | None = None
 
 
 @functools.lru_cache(maxsize=256)
 def expected(case: Case) -> Expected:
     if isinstance(case, KernelCase):
         return _kernel(case)
+    if isinstance(case, LinearCase):
+        return _linear(case)
     return _wrapper(case)
 
 
@@ -68,6 +72,23 @@ def _kernel(case: KernelCase) -> Expected:
         entropy=reference.entropy(x) if case.with_entropy else None,
         grad=grad, entropy_requires_grad=case.expects_entropy_grad,
         log_prob_tol=lp_tol, entropy_tol=ent_tol if case.with_entropy else None, grad_tol=grad_tol,
+    )
+
+
+def _linear(case: LinearCase) -> Expected:
+    inp = case.inputs()
+    w1 = inp.w_log_prob
+    w2 = inp.w_entropy if case.expects_entropy_grad else None
+    grads = reference.linear_grads(inp.hidden, inp.weight, inp.tokens, w1, w2) if case.grad_on else None
+    tol = linear_bounds(inp.hidden, inp.weight, inp.tokens, w1, w2, tp=case.tp, dtype=case.dtype) \
+        if case.grad_on else linear_bounds(inp.hidden, inp.weight, inp.tokens, None, None, tp=case.tp)
+    return Expected(
+        log_prob=reference.linear_log_probs(inp.hidden, inp.weight, inp.tokens),
+        entropy=reference.linear_entropy(inp.hidden, inp.weight) if case.with_entropy else None,
+        grad=grads[1] if grads else None, entropy_requires_grad=case.expects_entropy_grad,
+        log_prob_tol=tol["log_prob"], entropy_tol=tol["entropy"] if case.with_entropy else None,
+        grad_tol=tol.get("grad_weight"), grad_hidden=grads[0] if grads else None,
+        grad_hidden_tol=tol.get("grad_hidden"),
     )
 
 

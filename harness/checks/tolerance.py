@@ -6,7 +6,8 @@ pairwise or blocked sums with sequential chains of at most CHAIN roundings combi
 (every order at all below V = CHAIN / 2), online softmax over vocab blocks, recompute in backward,
 all-gather plus torch.log_softmax. It grows with the vocab size, the logits' magnitudes and the
 entropy, not with a tuned constant; math in bf16 or a gradient rounded to bf16 exceed it by far
-(the `low-precision-math` and `gradient-quantized-bf16` mutants).
+(the `low-precision-math` and `gradient-quantized-bf16` mutants). `linear_bounds` extends it to the
+fused-linear level: the float32 matmuls over H (forward) and over V and T (backward).
 """
 from __future__ import annotations
 
@@ -191,3 +192,62 @@ def compare(actual: Any, expected: torch.Tensor, bound: torch.Tensor, what: str)
                             f"|error| {abs(a[i] - expected[i]).item():.3g} > bound {b[i].item():.3g}")
         return ["\n".join(problems)], worst
     return [], worst
+
+
+def dot_growth(n: int) -> float:
+    """gamma_n / u for a float32 dot product of n terms, in any order and blocking, products included
+    (Higham, Accuracy and Stability, 3.5): |fl(a . b) - a . b| <= gamma_n |a| . |b|."""
+    n = max(int(n), 1)
+    return n / (1.0 - n * U32)
+
+
+def linear_bounds(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, w1: torch.Tensor | None,
+                  w2: torch.Tensor | None, tp: int = 1, dtype: str = "fp32") -> dict[str, torch.Tensor]:
+    """Allowed |error| of a float32 fused-linear routine (docs/tolerances.md, "The fused-linear
+    level"): "log_prob" and "entropy" per row [T], "grad_hidden" [T, H] and "grad_weight" [V, H]
+    (the full head, every shard in rank order), for the loss sum(w1 lp) + sum(w2 H).
+
+    First order: the logits x = h W^T carry the float32 matmul's error D = gamma_H |h| |W|^T (bf16 and
+    fp16 inputs are exact in float32 and their products too), which moves the values and the logit
+    gradient G through their first derivatives; the kernel's own bounds are added at x. The gradient
+    G (possibly rounded to the inputs' dtype first) then goes through two more float32 matmuls,
+    dh = G W over the vocab (and the TP all-reduce, which may add the ranks' partial sums in the
+    inputs' dtype) and dW = G^T h over the rows; each result is rounded once to the inputs' dtype."""
+    h, W = hidden.to(torch.float64), weight.to(torch.float64)
+    T, H = h.shape
+    V = W.shape[0]
+    x = h @ W.T
+    tokens = tokens.long()
+    D = U32 * dot_growth(H) * (h.abs() @ W.abs().T)  # [T, V] error of each float32 logit
+    s = row_stats(x)
+    p, core = s["p"], (s["ell"] + s["H"].unsqueeze(-1)).abs()  # |log p + H|: the entropy's sensitivity
+    s1, s2 = (p * D).sum(-1, keepdim=True), (p * core * D).sum(-1, keepdim=True)
+    lp_k, ent_k = value_bounds(x, tokens, None, tp)
+    out = {"log_prob": lp_k + D.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) + s1.squeeze(-1),
+           "entropy": ent_k + s2.squeeze(-1)}
+    if w1 is None and w2 is None:
+        return out
+    rows = torch.arange(T)
+    g = torch.zeros_like(x)
+    dg = torch.zeros_like(x)  # first-order change of G under the logits' error D
+    if w1 is not None:
+        a1 = w1.to(torch.float64)
+        onehot = torch.zeros_like(x)
+        onehot[rows, tokens] = 1.0
+        g += a1.unsqueeze(-1) * (onehot - p)
+        dg += a1.abs().unsqueeze(-1) * p * (D + s1)  # d q_j = q_j (dx_j - sum_k q_k dx_k)
+    if w2 is not None:
+        a2 = w2.to(torch.float64)
+        g += a2.unsqueeze(-1) * torch.where(p > 0, -p * (s["ell"] + s["H"].unsqueeze(-1)), torch.zeros_like(p))
+        # d[-p_j (l_j + H)] = -(dp_j (l_j + H) + p_j (dl_j + dH)), each term bounded in D
+        dg += a2.abs().unsqueeze(-1) * p * ((D + s1) * (core + 1) + s2)
+    err_g = grad_bound(x, tokens, None, w1, w2, tp=tp, dtype="fp32") + dg  # G as the routine has it
+    ga, out_u = g.abs(), OUT_U[dtype]
+    dh, dw = g @ W, g.T @ h
+    # dh: G possibly rounded to the inputs' dtype, and the tp ranks' partial sums reduced in it.
+    n_dh = V + max(int(tp), 1)
+    out["grad_hidden"] = (err_g + (out_u * (1 + tp) + U32 * dot_growth(n_dh)) * ga) @ W.abs() \
+        + out_u * dh.abs() + OUT_FLOOR[dtype]
+    out["grad_weight"] = (err_g + (out_u + U32 * dot_growth(T)) * ga).T @ h.abs() \
+        + out_u * dw.abs() + OUT_FLOOR[dtype]
+    return out

@@ -12,7 +12,7 @@ from hypothesis import given, seed as hyp_seed, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 
-from cases.strategies import kernel_cases, wrapper_cases
+from cases.strategies import kernel_cases, linear_cases, wrapper_cases
 from harness.checks import all_checks
 from harness.errors import TargetError
 from harness.targets import load_target
@@ -54,6 +54,8 @@ def _strategy(runner, level: str, family: dict) -> st.SearchStrategy:
     caps = dict(entropy=t.supports("entropy"), keep_mask=t.supports("keep_mask"))
     if level == "kernel":
         return kernel_cases(tp=st.just(family["tp"]), dtype=st.just(family["dtype"]), masked=family["masked"], **caps)
+    if level == "linear":
+        return linear_cases(tp=st.just(family["tp"]), **caps)
     return wrapper_cases(tp=st.just(family["tp"]), **caps)
 
 

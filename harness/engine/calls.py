@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from cases.case import KernelCase
+from cases.case import KernelCase, LinearCase
 from harness.targets import Target
 
 _PAD = 2  # rows of other data around an "offset" slice
@@ -161,6 +161,33 @@ class KernelShard:
         """The gradient w.r.t. the logits handed over, as accumulated in the caller's tensor."""
         src = self.source if self.source is not None else self.logits
         return None if src.grad is None else view_of(src.grad, self.layout if self.layout != "nonleaf" else "")
+
+
+@dataclass(frozen=True)
+class LinearShard:
+    """A fused-linear case's inputs on one rank: the hidden states (replicated), this rank's rows of
+    the LM head, the tokens, and the upstream loss. Both tensors are leaves the caller owns."""
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    tokens: torch.Tensor
+    w_log_prob: torch.Tensor | None
+    w_entropy: torch.Tensor | None
+
+    @classmethod
+    def of(cls, case: LinearCase, rank: int, device: torch.device) -> LinearShard:
+        full = case.inputs()
+        rows = slice(rank * case.v_local, (rank + 1) * case.v_local)
+        hidden = full.hidden.clone().to(device).requires_grad_(case.requires_grad)
+        weight = full.weight[rows].contiguous().to(device).requires_grad_(case.requires_grad)
+        return cls(hidden, weight, full.tokens.to(device), full.w_log_prob, full.w_entropy)
+
+    def call(self, target: Target, case: LinearCase, group: Any) -> tuple[Any, Any]:
+        return target.linear(self.hidden, self.weight, self.tokens, group, with_entropy=case.with_entropy,
+                             chunk_size=case.chunk_size, with_entropy_grad=case.with_entropy_grad)
+
+    def loss(self, log_prob: Any, entropy: Any) -> Any:
+        device = self.hidden.device
+        return weighted(log_prob, self.w_log_prob, device) + weighted(entropy, self.w_entropy, device)
 
 
 def prepared_call(target: Target, case: KernelCase, rank: int, device: torch.device,

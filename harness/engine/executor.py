@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 import reference
-from cases.case import Case, KernelCase, WrapperCase
-from harness.engine.calls import (KernelShard, grad_context, laid_out, shard, tokens_laid_out, tp_coordinates,
+from cases.case import Case, KernelCase, LinearCase, WrapperCase
+from harness.engine.calls import (KernelShard, LinearShard, grad_context, laid_out, shard, tokens_laid_out, tp_coordinates,
                                   tp_group, view_of, weighted)
 from harness.meters import trace
 from harness.meters.memory import Meter
@@ -95,6 +95,32 @@ def training_kernel(case: KernelCase, target: Target, rank: int, group: Any, dev
     with trace.recording():
         log_prob, entropy = inp.call(target, train, group)
     return _detached(log_prob), _detached(entropy)
+
+
+def run_linear(case: LinearCase, target: Target, rank: int, group: Any, device: torch.device,
+               obs: Observation) -> None:
+    """A fused-linear call on the training path: outputs, flags, both gradients (the hidden states'
+    and this rank's weight shard's), input integrity and memory, as `run_kernel` records them."""
+    inp = LinearShard.of(case, rank, device)
+    integrity = _Integrity(hidden=inp.hidden, weight=inp.weight, tokens=inp.tokens)
+    meter = Meter((inp.hidden, inp.weight, inp.tokens), device)
+    with meter.forward():
+        log_prob, entropy = inp.call(target, case, group)
+    meter.outputs(log_prob, entropy)
+    obs.log_prob, obs.entropy = _detached(log_prob), _detached(entropy)
+    obs.log_prob_meta, obs.entropy_meta = TensorMeta.of(log_prob), TensorMeta.of(entropy)
+    obs.integrity = integrity.problems("forward")
+    obs.stage = "forward"
+    loss = inp.loss(log_prob, entropy)
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        with meter.backward():
+            loss.backward()
+        meter.gradients(inp.weight.grad, inp.hidden.grad)
+        obs.grad, obs.grad_meta = _detached(inp.weight.grad), TensorMeta.of(inp.weight.grad)
+        obs.grad_hidden, obs.grad_hidden_meta = _detached(inp.hidden.grad), TensorMeta.of(inp.hidden.grad)
+        obs.integrity += integrity.problems("backward")
+    obs.memory = meter.figures
+    obs.stage = "backward"
 
 
 def wants_kernel_pass(case: Case, target: Target) -> bool:
@@ -232,6 +258,8 @@ def run_on_rank(case: Case, target: Target, rank: int, device: torch.device) -> 
         try:
             if case.level == "kernel":
                 run_kernel(case, target, rank, group, device, result.obs)
+            elif case.level == "linear":
+                run_linear(case, target, rank, group, device, result.obs)
             else:
                 run_wrapper(case, target, rank, device, result.obs)
         except Exception as e:  # the target's failure is data

@@ -142,10 +142,11 @@ def plan(profile: Profile, levels: Iterable[str], tps: list[int], launched: bool
     for (plus the profile's extra ones, except under a launcher, whose world is fixed) at DP 1;
     then the profile's DP sizes, TP groups inside a world of 2 replicas."""
     sizes = sorted(set(tps) | (set() if launched else set(profile.extra_tp)))
-    counts = {"kernel": profile.kernel_cases, "wrapper": profile.wrapper_cases}
-    dp_counts = {"kernel": profile.dp_kernel_cases, "wrapper": profile.dp_wrapper_cases}
+    counts = {"kernel": profile.kernel_cases, "wrapper": profile.wrapper_cases, "linear": profile.linear_cases}
+    # The linear level runs in one TP group: DP replicas are the kernel's and the wrapper's axis.
+    dp_counts = {"kernel": profile.dp_kernel_cases, "wrapper": profile.dp_wrapper_cases, "linear": 0}
     dp_sizes = [] if launched else [tp for tp in sizes if tp in profile.dp_tp]
-    steps = [(level, sizes, counts[level] * len(sizes), 1) for level in levels]
+    steps = [(level, sizes, counts[level] * len(sizes), 1) for level in levels if counts[level]]
     if dp_sizes:
         steps += [(level, dp_sizes, dp_counts[level] * len(dp_sizes), 2) for level in levels if dp_counts[level]]
     return steps

@@ -66,7 +66,9 @@ def memory_by_config(executed: list[Evidence], budget: dict[str, float]) -> dict
     for ev in executed:
         case = ev.case
         figures = [r.obs.memory for r in ev.ranks]
-        if case.T == 0 or ev.failed_ranks or not all(figures):
+        # The linear level's budget is memory-linear-retained's (no [T, V_local] at all), not a
+        # multiple of T*V_local*4: its cases are not on this table's scale.
+        if case.T == 0 or case.level == "linear" or ev.failed_ranks or not all(figures):
             continue
         row = configs.setdefault(memory_config(case), {"cases": 0, "worst": {}})
         row["cases"] += 1

@@ -9,7 +9,7 @@ import math
 import re
 from typing import Any
 
-LEVELS = ("kernel", "wrapper")
+LEVELS = ("kernel", "wrapper", "linear")
 NEAR = 0.5  # error/tolerance above this is close enough to the line to be worth a look
 SHOWN_LINES = 4  # lines of a finding's message shown before "full message"
 

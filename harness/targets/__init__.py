@@ -3,8 +3,8 @@
 A spec is an importable module path (`harness.targets.fused`, `mypkg.logprobs`) or `PREFIX:NAME`
 for a target namespace: a package that registers itself under the entry-point group
 `harness.target_namespaces` (the mutation catalog is `mutant:NAME`). The resolver knows no
-namespace by name. A module provides the kernel, the wrapper, or both, under the
-contract's names. Optional module attributes describe it further:
+namespace by name. A module provides the kernel, the wrapper, the fused-linear routine
+(docs/fused-linear.md), or any of them, under the contract's names. Optional module attributes describe it further:
 
 - `HARNESS_CAPABILITIES`: dict overriding `{"entropy": True, "keep_mask": True,
   "metric_only_entropy": True, "cpu": True}` for a routine that computes no entropy, takes no keep
@@ -26,11 +26,13 @@ from harness.errors import TargetError
 
 KERNEL = "calculate_log_probs_and_entropy"
 WRAPPER = "get_log_probs_and_entropy"
+LINEAR = "calculate_linear_log_probs_and_entropy"
 DEFAULT_TARGET = "harness.targets.fused"
 
 _KERNEL_CALL = ((None, None, None), dict(with_entropy=False, chunk_size=-1, log_prob_keep_mask=None, with_entropy_grad=True))
 _WRAPPER_CALL = ((None,), dict(args=None, unconcat_tokens=None, total_lengths=None, response_lengths=None,
                                with_entropy=False, non_loss_data=True, top_p_token_ids=None, top_p_token_offsets=None))
+_LINEAR_CALL = ((None, None, None, None), dict(with_entropy=False, chunk_size=-1, with_entropy_grad=True))
 
 
 @dataclass
@@ -40,10 +42,12 @@ class Target:
     wrapper: Callable | None
     capabilities: dict[str, bool] = field(default_factory=dict)
     memory_budget: dict[str, float] = field(default_factory=dict)
+    linear: Callable | None = None  # the fused-linear level (docs/fused-linear.md)
 
     @property
     def levels(self) -> tuple[str, ...]:
-        return tuple(lvl for lvl, fn in (("kernel", self.kernel), ("wrapper", self.wrapper)) if fn is not None)
+        return tuple(lvl for lvl, fn in (("kernel", self.kernel), ("wrapper", self.wrapper), ("linear", self.linear))
+                     if fn is not None)
 
     def supports(self, feature: str) -> bool:
         return self.capabilities.get(feature, True)
@@ -67,15 +71,15 @@ def _check_signature(spec: str, name: str, fn: Any, call: tuple) -> None:
 
 
 def from_namespace(spec: str, ns: ModuleType | Any) -> Target:
-    kernel, wrapper = getattr(ns, KERNEL, None), getattr(ns, WRAPPER, None)
-    if kernel is None and wrapper is None:
-        raise TargetError(f"{spec} defines neither {KERNEL} nor {WRAPPER}")
-    if kernel is not None:
-        _check_signature(spec, KERNEL, kernel, _KERNEL_CALL)
-    if wrapper is not None:
-        _check_signature(spec, WRAPPER, wrapper, _WRAPPER_CALL)
+    kernel, wrapper, linear = getattr(ns, KERNEL, None), getattr(ns, WRAPPER, None), getattr(ns, LINEAR, None)
+    if kernel is None and wrapper is None and linear is None:
+        raise TargetError(f"{spec} defines neither {KERNEL} nor {WRAPPER} (nor {LINEAR})")
+    for name, fn, call in ((KERNEL, kernel, _KERNEL_CALL), (WRAPPER, wrapper, _WRAPPER_CALL),
+                           (LINEAR, linear, _LINEAR_CALL)):
+        if fn is not None:
+            _check_signature(spec, name, fn, call)
     return Target(spec, kernel, wrapper, dict(getattr(ns, "HARNESS_CAPABILITIES", {})),
-                  dict(getattr(ns, "HARNESS_MEMORY_BUDGET", {})))
+                  dict(getattr(ns, "HARNESS_MEMORY_BUDGET", {})), linear)
 
 
 _cache: dict[str, Target] = {}

@@ -1,6 +1,7 @@
 """Built-in fused vocab-parallel log-prob / entropy routine (the harness's reference target).
 
-Written from ``CONTRACT.md`` (Level 1 kernel, Level 2 wrapper).  The algorithm lives in
+Written from ``CONTRACT.md`` (Level 1 kernel, Level 2 wrapper; the fused-linear level is
+``FusedLinearLogProbEntropy`` at the end, its steps in ``fused_linear.py``).  The algorithm lives in
 :class:`FusedLogProbEntropy` and is split into small *step* methods, one concern each, so that a
 mutation catalog can build a defective variant by subclassing and overriding exactly one step.
 The autograd Function below receives the routine instance as a non-tensor argument and calls its
@@ -28,9 +29,14 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from harness.targets.fused_linear import FusedLinearSteps
+
 __all__ = [
+    "LINEAR_ROUTINE",
+    "FusedLinearLogProbEntropy",
     "FusedLogProbEntropy",
     "ROUTINE",
+    "calculate_linear_log_probs_and_entropy",
     "calculate_log_probs_and_entropy",
     "get_log_probs_and_entropy",
 ]
@@ -395,3 +401,14 @@ HARNESS_MEMORY_BUDGET = {"retained": 1.0, "peak_forward": 9.0, "peak_backward": 
 ROUTINE = FusedLogProbEntropy()
 calculate_log_probs_and_entropy = ROUTINE.calculate_log_probs_and_entropy
 get_log_probs_and_entropy = ROUTINE.get_log_probs_and_entropy
+
+
+
+class FusedLinearLogProbEntropy(FusedLinearSteps, FusedLogProbEntropy):
+    """The fused-linear level's built-in routine (harness/targets/fused_linear.py): its steps on
+    this routine's vocab-parallel statistics and collectives."""
+
+
+# The default target provides all three levels (docs/fused-linear.md).
+LINEAR_ROUTINE = FusedLinearLogProbEntropy()
+calculate_linear_log_probs_and_entropy = LINEAR_ROUTINE.calculate_linear_log_probs_and_entropy

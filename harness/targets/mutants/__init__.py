@@ -1,8 +1,9 @@
 """The mutation catalog: defective variants of the built-in routine, one registry entry each.
 
-A mutant is a subclass of `FusedLogProbEntropy` that overrides one step, registered with
-`@mutant(...)` in any module of this package (modules are discovered, so a new family of mutants
-is a new file). `--target mutant:NAME` checks it like any other target.
+A mutant is a subclass of `FusedLogProbEntropy` (or, at the fused-linear level, of
+`FusedLinearLogProbEntropy`) that overrides one step, registered with `@mutant(...)` in any module
+of this package (modules are discovered, so a new family of mutants is a new file). `--target
+mutant:NAME` checks it like any other target, at the contract levels it was registered for.
 """
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from types import SimpleNamespace
 from typing import Callable
 
 from harness.errors import TargetError
-from harness.targets import fused
+from harness.targets import KERNEL, LINEAR, WRAPPER, fused
 from harness.targets.fused import FusedLogProbEntropy
+
+ENTRY_POINTS = {"kernel": KERNEL, "wrapper": WRAPPER, "linear": LINEAR}  # level -> the routine's method
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,7 @@ class Mutant:
     routine: type[FusedLogProbEntropy]
     needs_baseline: bool  # only a comparison with the clean routine's baseline can see it
     tp: tuple[int, ...]  # the TP sizes at which it can be seen
+    levels: tuple[str, ...] = ("kernel", "wrapper")  # the contract levels its target provides
 
     @property
     def spec(self) -> str:
@@ -36,12 +40,16 @@ CATALOG: dict[str, Mutant] = {}
 
 
 def mutant(name: str, defect: str, expected: tuple[str, ...] | str, history: str = "",
-           needs_baseline: bool = False, tp: tuple[int, ...] = (1, 2, 4)) -> Callable[[type], type]:
+           needs_baseline: bool = False, tp: tuple[int, ...] = (1, 2, 4),
+           levels: tuple[str, ...] = ("kernel", "wrapper")) -> Callable[[type], type]:
+    """`levels`: the contract levels the mutant's target provides (a fused-linear mutant only
+    "linear": its defect is in that level's steps, and the other levels would only re-run the clean
+    routine)."""
     def register(cls: type[FusedLogProbEntropy]) -> type[FusedLogProbEntropy]:
         if name in CATALOG:
             raise ValueError(f"mutant {name!r} registered twice")
         exp = (expected,) if isinstance(expected, str) else tuple(expected)
-        CATALOG[name] = Mutant(name, defect, exp, history, cls, needs_baseline, tuple(tp))
+        CATALOG[name] = Mutant(name, defect, exp, history, cls, needs_baseline, tuple(tp), tuple(levels))
         return cls
     return register
 
@@ -53,12 +61,11 @@ def catalog() -> dict[str, Mutant]:
 
 
 def mutant_namespace(name: str) -> SimpleNamespace:
-    """The mutant as a target module: the contract's two functions bound to one instance."""
+    """The mutant as a target module: the contract's functions of its levels bound to one instance."""
     entry = catalog().get(name)
     if entry is None:
         raise TargetError(f"unknown mutant {name!r}; `python -m harness mutate --list` lists them")
     routine = entry.routine()
+    functions = {ENTRY_POINTS[lvl]: getattr(routine, ENTRY_POINTS[lvl]) for lvl in entry.levels}
     # A mutant is held to the built-in routine's declared budget: exceeding it is a defect too.
-    return SimpleNamespace(calculate_log_probs_and_entropy=routine.calculate_log_probs_and_entropy,
-                           get_log_probs_and_entropy=routine.get_log_probs_and_entropy,
-                           HARNESS_MEMORY_BUDGET=fused.HARNESS_MEMORY_BUDGET)
+    return SimpleNamespace(**functions, HARNESS_MEMORY_BUDGET=fused.HARNESS_MEMORY_BUDGET)
