@@ -55,7 +55,7 @@ def summary_table(runner: Runner, findings: list[Finding]) -> str:
         rows.append((name, *cells, f"{margin:.3f}" if margin else "-", str(skipped) if skipped else "-"))
     lines = _table(rows)
     if notes:
-        lines += ["", "checks not applied in some call contexts (they would apply on the training path):", *notes]
+        lines += ["", "checks not applied to some cases, and why:", *notes]
     return "\n".join(lines)
 
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cases.case import KernelCase, parse_case
+from cases.case import KernelCase, LinearCase, parse_case
 from harness.engine.explorer import strategy_for
 from harness.engine.runner import Runner
 from harness.errors import TargetError
@@ -33,6 +33,10 @@ LOG_PROB_CHECKS = {"crash", "empty-input", "collectives", "values", "gradients",
 CLEAN = [KernelCase(tp=tp, T=7, v_local=5, regime=regime, chunk_size=chunk, with_entropy=ent, seed=31 * tp + i)
          for tp in (1, 2) for i, (regime, chunk, ent) in
          enumerate([("normal", -1, True), ("peaked", 3, True), ("huge", -1, False), ("normal", 7, False)])]
+# The same at the fused-linear level; one hidden size and vocab shard, so a compiled peer (Cut
+# Cross-Entropy) compiles for few shapes.
+CLEAN += [LinearCase(tp=tp, T=T, H=16, v_local=8, regime=regime, chunk_size=chunk, with_entropy=ent, seed=41 * tp + T)
+          for tp in (1, 2) for T, regime, chunk, ent in [(7, "normal", -1, True), (9, "peaked", 4, False)]]
 # One case per known finding, with the check that must report it: the finding is real and shows.
 WITNESSES: dict[str, list[tuple[str, str]]] = {
     "megatron": [("kernel:tp=2,T=5,v_local=4,with_entropy=0,seed=1594", "input-integrity"),
@@ -46,6 +50,9 @@ WITNESSES: dict[str, list[tuple[str, str]]] = {
              ("kernel:tp=1,T=4,v_local=8,seed=4,context=two_calls", "crash")],
     "verl_chunked": [("kernel:tp=1,T=5,v_local=8,chunk_size=2,seed=5", "crash"),
                      ("kernel:tp=2,T=0,v_local=4", "grad-flags")],
+    "verl_fused_linear": [("linear:tp=1,T=6,H=16,v_local=7,dtype=bf16,seed=3", "shapes-dtypes"),
+                          ("linear:tp=1,T=6,H=64,v_local=7,dtype=fp16,regime=wide,chunk_size=9,seed=964", "values")],
+    "cce": [("linear:tp=2,T=7,H=16,v_local=8,dtype=bf16,regime=wide,seed=7", "values")],
     "trl": [("kernel:tp=2,T=6,v_local=5,regime=neginf,seed=1", "finite"),
             ("kernel:tp=1,T=4,v_local=8,dtype=bf16,seed=2", "shapes-dtypes"),
             ("kernel:tp=1,T=0,v_local=4", "empty-input")],
@@ -63,7 +70,8 @@ def _installed(name: str):
 
 def test_every_adapter_loads_and_declares_itself() -> None:
     """On any machine (peers imported lazily), with what `harness peers` needs to list it."""
-    assert {"megatron", "megatron_fused", "verl", "verl_chunked", "trl", "liger"} <= set(PEERS)
+    assert {"megatron", "megatron_fused", "verl", "verl_chunked", "trl", "liger", "verl_fused_linear", "cce",
+            "verl_linear_ce"} <= set(PEERS)
     for peer in PEERS.values():
         target = load_target(peer.spec)
         assert target.levels and peer.upstream and peer.install and peer.summary
@@ -71,9 +79,10 @@ def test_every_adapter_loads_and_declares_itself() -> None:
 
 
 def test_cuda_only_peer_is_refused_on_cpu_with_its_reason() -> None:
-    assert PEERS["liger"].cuda_only
-    with pytest.raises(TargetError, match="runs only on CUDA"):
-        Runner("harness.targets.peers.liger")
+    for name in ("liger", "verl_linear_ce"):
+        assert PEERS[name].cuda_only
+        with pytest.raises(TargetError, match="runs only on CUDA"):
+            Runner(PEERS[name].spec)
 
 
 def test_every_known_finding_has_a_witness() -> None:
@@ -91,7 +100,9 @@ def test_right_values_and_nothing_unexplained_on_ordinary_inputs(harness_pools, 
     peer = _installed(name)
     runner = Runner(peer.spec, pools=harness_pools)
     runner.known = load_known(peer.known)
-    for case in CLEAN:
+    cases = [c for c in CLEAN if c.level in runner.target.levels]
+    assert cases
+    for case in cases:
         before = len(runner.known_findings)
         _, new = runner.check(case)  # the findings no entry explains
         assert not new, f"{new[0].check}: {new[0].message}\n{new[0].repro}"

@@ -69,6 +69,19 @@ CONTEXT_LIMITS: dict[str, tuple[tuple[str, ...], str]] = {
     "call-memory": (("two_calls",), "one backward serves both calls, so one call's backward memory "
                                     "cannot be told apart"),
 }
+# What a check may read that a target may not let the harness measure: (capability, which cases,
+# why). A check that would apply but reads one of these says "not applied: why" instead.
+TARGET_LIMITS: dict[str, tuple[tuple[str, Callable[[Case], bool], str], ...]] = {
+    "memory": (
+        ("eager", lambda c: True,
+         "the routine runs under torch.compile, which the memory meter's Python dispatch mode would turn "
+         "off (or, with fullgraph=True, make raise), so its memory is not metered "
+         "(HARNESS_CAPABILITIES['eager'] is False)"),
+        ("tensor_parallel", lambda c: c.tp > 1,
+         "the routine is not tensor-parallel: at TP > 1 its adapter all-gathers the vocab shards, and what "
+         "that costs is the adapter's, not the routine's (HARNESS_CAPABILITIES['tensor_parallel'] is False)"),
+    ),
+}
 FAMILIES = ("default", "bitwise")  # bitwise: opt-in (`--bitwise`)
 CALL_LEVELS = ("kernel", "wrapper", "linear")  # checks of any call: it runs, returns, issues matched collectives
 
@@ -83,29 +96,32 @@ class Check:
     needs: str | None
     min_tp: int
     doc: str
-    reads: tuple[str, ...] = ()  # CONTEXT_LIMITS keys
+    reads: tuple[str, ...] = ()  # CONTEXT_LIMITS and TARGET_LIMITS keys
     family: str = "default"
 
-    def context_note(self, case: Case) -> str | None:
-        """Why the case's call context leaves this check nothing to read, or None."""
+    def limit_note(self, case: Case, target: Target) -> str | None:
+        """Why the case's call context, or the target, leaves this check nothing to read, or None."""
         context = getattr(case, "context", "train")
         for what in self.reads:
-            contexts, why = CONTEXT_LIMITS[what]
-            if context in contexts:
-                return f"{context}: {why}"
+            if what in CONTEXT_LIMITS and context in CONTEXT_LIMITS[what][0]:
+                return f"{context}: {CONTEXT_LIMITS[what][1]}"
+            for capability, cases, why in TARGET_LIMITS.get(what, ()):
+                if not target.supports(capability) and cases(case):
+                    return why
         return None
 
     def applicable(self, case: Case, target: Target) -> bool:
         return case.level in self.levels and case.tp >= self.min_tp and self.applies(case, target) \
-            and self.context_note(case) is None
+            and self.limit_note(case, target) is None
 
     def not_applied(self, case: Case, target: Target) -> str | None:
-        """"not applied: why", for a case the check would apply to in the training context but
-        cannot in the case's own; None when it applies, or would not apply in any context."""
-        note = self.context_note(case)
+        """"not applied: why", for a case the check would apply to on the training path of a target
+        that allows it to be measured, but cannot here; None when it applies, or would not apply anyway."""
+        note = self.limit_note(case, target)
         if note is None or case.level not in self.levels or case.tp < self.min_tp:
             return None
-        return f"not applied: {note}" if self.applies(case.replace(context="train"), target) else None
+        train = case.replace(context="train") if getattr(case, "context", "train") != "train" else case
+        return f"not applied: {note}" if self.applies(train, target) else None
 
 
 REGISTRY: dict[str, Check] = {}
@@ -122,7 +138,7 @@ def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
     `min_tp`: the smallest TP size at which the check can fail at all. `reads`: what of a call the
     check reads that some call contexts lack (CONTEXT_LIMITS). `family`: "bitwise" checks run only
     when asked for (`--bitwise`)."""
-    unknown = set(reads) - set(CONTEXT_LIMITS)
+    unknown = set(reads) - set(CONTEXT_LIMITS) - set(TARGET_LIMITS)
     if unknown or family not in FAMILIES:
         raise ValueError(f"check {name!r}: unknown reads {sorted(unknown)} or family {family!r}")
 

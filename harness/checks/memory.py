@@ -61,7 +61,7 @@ def _compare_retained(ev: Evidence, twin: Evidence, what: str) -> list[str]:
 
 @check("memory-metric-only", levels=("kernel", "linear"),
        applies=lambda c, t: c.T > 0 and c.requires_grad and c.with_entropy and not c.with_entropy_grad,
-       twin=lambda c: c.replace(with_entropy=False, with_entropy_grad=True, loss_terms="both"), reads=("autograd",))
+       twin=lambda c: c.replace(with_entropy=False, with_entropy_grad=True, loss_terms="both"), reads=("autograd", "memory"))
 def metric_only(ev: Evidence) -> list[str]:
     """A metric-only entropy (with_entropy_grad=False) retains no more than the log-prob-only call
     plus O(T) bytes, in every dtype and with or without a keep mask."""
@@ -70,7 +70,7 @@ def metric_only(ev: Evidence) -> list[str]:
 
 @check("memory-coef-zero", levels=("wrapper",),
        applies=lambda c, t: c.T > 0 and c.with_entropy and not c.expects_entropy_grad,
-       twin=lambda c: c.replace(with_entropy=False), reads=("autograd",))
+       twin=lambda c: c.replace(with_entropy=False), reads=("autograd", "memory"))
 def coef_zero(ev: Evidence) -> list[str]:
     """slime #2153: with entropy_coef == 0 (or absent) the wrapper retains what its log-prob-only
     call (with_entropy=False) retains, plus O(T) bytes."""
@@ -79,7 +79,7 @@ def coef_zero(ev: Evidence) -> list[str]:
 
 @check("memory-chunk-passthrough", levels=("wrapper",),
        applies=lambda c, t: c.kernel_comparable and c.temperature in (None, 1.0) and t.kernel is not None,
-       reads=("autograd", "call-memory"))
+       reads=("autograd", "call-memory", "memory"))
 def chunk_passthrough(ev: Evidence) -> list[str]:
     """NeMo-RL #2871: args.log_probs_chunk_size reaches the kernel. The wrapper's retained and peak
     bytes match the target kernel's own at that chunk size on the same rows (temperature 1, no
@@ -114,7 +114,7 @@ def _backward_reaches_all(c: Any, t: Any) -> bool:
 
 
 @check("memory-backward-frees", levels=("kernel", "wrapper", "linear"), applies=_backward_reaches_all,
-       reads=("autograd",))
+       reads=("autograd", "memory"))
 def backward_frees(ev: Evidence) -> list[str]:
     """What the forward retained is freed by the backward (its outputs, which the caller holds,
     excepted), within O(T): nothing [T, V_local]-sized outlives the step, on ctx or elsewhere."""
@@ -146,7 +146,7 @@ def budget_use(c: Any, nbytes: int) -> float:
     return (nbytes - memory.budget_slack(c.T)) / memory.unit(c.T, c.v_local) - wrapper_allowance(c)
 
 
-@check("memory-budget", applies=lambda c, t: c.T > 0 and bool(t.memory_budget), reads=("call-memory",))
+@check("memory-budget", applies=lambda c, t: c.T > 0 and bool(t.memory_budget), reads=("call-memory", "memory"))
 def budget(ev: Evidence) -> list[str]:
     """The target's declared HARNESS_MEMORY_BUDGET: each figure (retained, peak_forward,
     peak_backward) at most its multiple of T*V_local*4 bytes plus O(T) (plus, for a wrapper, the
@@ -182,7 +182,7 @@ def linear_retained_allowance(c: LinearCase) -> int:
     return upcast + memory.budget_slack(c.T)
 
 
-@check("memory-linear-retained", levels=("linear",), applies=lambda c, t: c.T > 0 and c.grad_on)
+@check("memory-linear-retained", levels=("linear",), applies=lambda c, t: c.T > 0 and c.grad_on, reads=("memory",))
 def linear_retained(ev: Evidence) -> list[str]:
     """The fused-linear forward retains O(T*H), not O(T*V_local): at most a float32 copy of the
     hidden states and of the weight shard when they are not float32, plus O(T) row statistics and

@@ -48,6 +48,21 @@ def _detached(t: Any) -> Any:
     return t.detach().cpu().clone() if isinstance(t, torch.Tensor) else t
 
 
+def metered(target: Target) -> bool:
+    """Whether the memory meter may run around the target's calls: not around a compiled routine,
+    whose compilation a Python dispatch mode turns off or breaks. For a compiled routine the worker
+    also lifts Dynamo's recompile limits: a pool process sees every dtype, grad mode and size
+    specialisation of a whole run, where a training process sees a few, and with fullgraph=True
+    hitting the limit raises, a failure of the harness's process reuse, not of the routine."""
+    if target.supports("eager"):
+        return True
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4096)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 65536)
+    return False
+
+
 def run_kernel(case: KernelCase, target: Target, rank: int, group: Any, device: torch.device,
                obs: Observation) -> None:
     """Fills `obs` as it goes: a backward that raises leaves the forward's observations. The call
@@ -55,7 +70,7 @@ def run_kernel(case: KernelCase, target: Target, rank: int, group: Any, device: 
     forward (and, accumulating, its backward too), so the figures stay those of one call."""
     inp = KernelShard.of(case, rank, device)
     integrity = _Integrity(logits=inp.logits, tokens=inp.tokens, log_prob_keep_mask=inp.keep_mask)
-    meter = Meter((inp.logits, inp.tokens, inp.keep_mask), device)
+    meter = Meter((inp.logits, inp.tokens, inp.keep_mask), device, metered(target))
     with grad_context(case.context):
         with meter.forward():
             log_prob, entropy = inp.call(target, case, group)
@@ -103,7 +118,7 @@ def run_linear(case: LinearCase, target: Target, rank: int, group: Any, device: 
     and this rank's weight shard's), input integrity and memory, as `run_kernel` records them."""
     inp = LinearShard.of(case, rank, device)
     integrity = _Integrity(hidden=inp.hidden, weight=inp.weight, tokens=inp.tokens)
-    meter = Meter((inp.hidden, inp.weight, inp.tokens), device)
+    meter = Meter((inp.hidden, inp.weight, inp.tokens), device, metered(target))
     with meter.forward():
         log_prob, entropy = inp.call(target, case, group)
     meter.outputs(log_prob, entropy)
@@ -168,7 +183,7 @@ def run_wrapper(case: WrapperCase, target: Target, rank: int, device: torch.devi
     call = _WrapperCall(case, target, rank, device)
     logits, tokens = call.logits, call.tokens
     integrity = _Integrity(logits=logits, **{f"tokens[{i}]": t for i, t in enumerate(tokens)})
-    meter = Meter((logits, tokens, call.top_p_ids, call.top_p_offsets), device)
+    meter = Meter((logits, tokens, call.top_p_ids, call.top_p_offsets), device, metered(target))
     with grad_context(case.context):
         with meter.forward():
             log_probs, entropy = call()
@@ -218,7 +233,7 @@ def kernel_pass(case: WrapperCase, target: Target, values: torch.Tensor, device:
     out = KernelPass()
     for chunk in (case.chunk_size, -1):
         _, leaf = laid_out(values.detach().clone(), case.layout, True)
-        meter = Meter((leaf, tokens), device)
+        meter = Meter((leaf, tokens), device, metered(target))
         with trace.recording() as events, meter.forward():
             log_prob, entropy = target.kernel(leaf, tokens, tp_group(), with_entropy=case.with_entropy,
                                               chunk_size=chunk, log_prob_keep_mask=None,

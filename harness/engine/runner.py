@@ -61,6 +61,12 @@ class CheckStats:
         return [m for group in self.margins_by_group.values() for m in group]
 
 
+# The case deadline of a compiled routine (HARNESS_CAPABILITIES['eager'] False): it compiles again
+# for each new dtype, grad mode or size specialisation, on every rank at once, which takes tens of
+# seconds on a small machine where its other cases take milliseconds (and set the scaled deadline).
+COMPILE_DEADLINE_S = 300.0
+
+
 class Runner:
     """Owns one persistent pool per TP size for one target; reusable for any number of cases."""
 
@@ -132,7 +138,10 @@ class Runner:
             return self._cache[case]
         pool = self.pool(case.tp, case.dp)
         start = time.perf_counter()
-        results = replica_zero(pool.run(CASE_JOB, case, self.target.spec))
+        deadline = None
+        if not self.target.supports("eager") and isinstance(pool, WorkerPool) and pool.case_timeout_s is None:
+            deadline = max(pool.case_deadline(), COMPILE_DEADLINE_S)
+        results = replica_zero(pool.run(CASE_JOB, case, self.target.spec, deadline_s=deadline))
         self.run_seconds += time.perf_counter() - start
         self.cases_run += 1
         if _needs_rebuild(results) and pool.procs:

@@ -126,8 +126,11 @@ def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
 class Meter(TorchDispatchMode):
     """Live bytes of every storage allocated or saved during `forward()` and `backward()`."""
 
-    def __init__(self, inputs: Any, device: torch.device):
+    def __init__(self, inputs: Any, device: torch.device, active: bool = True):
+        """`active` False: measure nothing (no dispatch mode, no saved-tensor hooks; `figures`
+        stays empty), for a routine that a Python dispatch mode would change (torch.compile)."""
         super().__init__()
+        self.active = active
         self._inputs = {k for k in map(_key, _tensors(inputs)) if k is not None}
         self._live: dict[int, Storage] = {}
         self._refs: dict[int, weakref.ref] = {}
@@ -253,6 +256,9 @@ class Meter(TorchDispatchMode):
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
         """Meter the call; what it saves for backward is marked through saved_tensors_hooks."""
+        if not self.active:
+            yield
+            return
         self._cuda_start(first=True)
         with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack), self:
             yield
@@ -266,6 +272,8 @@ class Meter(TorchDispatchMode):
 
     def outputs(self, *outs: Any) -> None:
         """Mark the storages of what the call returned (the caller holds them after backward too)."""
+        if not self.active:
+            return
         self._drain()
         self._outputs = {k for k in map(_key, _tensors(outs)) if k is not None}
         for k in self._outputs:
@@ -276,6 +284,9 @@ class Meter(TorchDispatchMode):
     @contextlib.contextmanager
     def backward(self) -> Iterator[None]:
         """Meter a backward through what the forward retained."""
+        if not self.active:
+            yield
+            return
         self._cuda_start(first=False)
         self._settle()
         self._peak, self._peak_live = self._current, list(self._live.values())
@@ -293,6 +304,8 @@ class Meter(TorchDispatchMode):
         """Mark what the backward handed the caller as input gradients: a storage the forward saved
         and the backward returned as the gradient (slime turns its saved softmax into the gradient in
         place, saving a [T, V_local] allocation) is the caller's `.grad` now, not leftover."""
+        if not self.active:
+            return
         self._drain()
         keys = {k for k in map(_key, _tensors(grads)) if k is not None}
         self._left = {k: e for k, e in self._left.items() if k not in keys}

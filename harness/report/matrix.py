@@ -34,6 +34,10 @@ def columns() -> list[str]:
 
 
 def _na_reason(checks: list[Check], result: dict[str, Any]) -> str:
+    notes = [note for c in checks for st in result.get("checks", {}).get(c.name, {}).values()
+             for note in st.get("not_applied", {})]
+    if notes:  # the run said why: its first clause is the cell's
+        return notes[0].removeprefix("not applied: ").split(",")[0]
     levels = set(result.get("levels", []))
     if not any(levels & set(c.levels) for c in checks):
         wanted = sorted({lvl for c in checks for lvl in c.levels})

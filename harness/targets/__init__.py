@@ -7,10 +7,15 @@ namespace by name. A module provides the kernel, the wrapper, the fused-linear r
 (docs/fused-linear.md), or any of them, under the contract's names. Optional module attributes describe it further:
 
 - `HARNESS_CAPABILITIES`: dict overriding `{"entropy": True, "keep_mask": True,
-  "metric_only_entropy": True, "cpu": True}` for a routine that computes no entropy, takes no keep
-  mask or ignores `with_entropy_grad=False` (cases needing it are fitted to what it does, and the
-  summary says so: `cases.capabilities`), or runs only on CUDA (`"cpu": False`: a CPU run refuses
-  it with that reason, a pytest session skips it);
+  "metric_only_entropy": True, "cpu": True, "eager": True, "tensor_parallel": True}` for a routine
+  that computes no entropy, takes no keep mask or ignores `with_entropy_grad=False` (cases needing
+  it are fitted to what it does, and the summary says so: `cases.capabilities`); that runs only on
+  CUDA (`"cpu": False`: a CPU run refuses it with that reason, a pytest session skips it); that is
+  compiled with torch.compile (`"eager": False`: the memory meter's Python dispatch mode would turn
+  the compilation off or make it raise, so the meter stays off and the memory checks say "not
+  applied"); or that is not tensor-parallel, so its adapter gathers the shards at TP > 1
+  (`"tensor_parallel": False`: the memory checks say "not applied" there: the gather's cost is the
+  adapter's);
 - `HARNESS_MEMORY_BUDGET`: dict of retained/peak budgets as multiples of `T * V_local * 4` bytes.
 """
 from __future__ import annotations

@@ -7,7 +7,10 @@ implementation is Triton (CUDA only); its `torch_compile` one, checked here, is 
 of `(e @ c.T).float()` under `torch.compile`, which runs on CPU. It computes no entropy, and it is
 not tensor-parallel: at TP > 1 the adapter all-gathers the weight's vocab shards
 (`_mpu.gather_vocab`), so every rank computes the full answer. `log_prob = -loss`; `chunk_size`
-is ignored.
+is ignored. Its `fullgraph=True` compile raises under any Python dispatch mode, so the target
+declares `"eager": False`: the harness runs it without the memory meter (and with Dynamo's
+recompile limits lifted, since a pool process sees every dtype and size of a run), and the memory
+checks say "not applied" and why.
 """
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ import torch
 
 from harness.targets.peers._mpu import gather_vocab
 
-HARNESS_CAPABILITIES = {"entropy": False}
+# torch.compile(fullgraph=True) raises under a Python dispatch mode: the memory meter stays off.
+HARNESS_CAPABILITIES = {"entropy": False, "eager": False, "tensor_parallel": False}
 HARNESS_PEER = dict(requires=("cut_cross_entropy",), install="pip install cut-cross-entropy",
                     upstream=("cut_cross_entropy.linear_cross_entropy (impl='torch_compile')",))
 

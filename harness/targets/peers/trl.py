@@ -18,7 +18,7 @@ import torch
 
 from harness.targets.peers._mpu import gather_vocab
 
-HARNESS_CAPABILITIES = {"keep_mask": False}
+HARNESS_CAPABILITIES = {"keep_mask": False, "tensor_parallel": False}
 HARNESS_PEER = dict(requires=("trl",), install="pip install trl",
                     upstream=("trl.trainer.utils.selective_log_softmax_and_entropy",
                               "trl.trainer.utils.selective_log_softmax", "trl.trainer.utils.entropy_from_logits"))

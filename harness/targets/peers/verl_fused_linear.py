@@ -17,7 +17,7 @@ import torch
 
 from harness.targets.peers._mpu import gather_vocab
 
-HARNESS_CAPABILITIES = {"metric_only_entropy": False}
+HARNESS_CAPABILITIES = {"metric_only_entropy": False, "tensor_parallel": False}
 HARNESS_PEER = dict(requires=("verl",), install="pip install verl==0.9.1",
                     upstream=("verl.utils.experimental.torch_functional.FusedLinearForPPO",))
 VERL_DEFAULT_CHUNK = 512
