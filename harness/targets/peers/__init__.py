@@ -34,7 +34,7 @@ class Peer:
     requires: tuple[str, ...]
     install: str
     upstream: tuple[str, ...]
-    summary: str  # the module docstring's first line
+    summary: str  # the module docstring's first paragraph
     cuda_only: bool
     known: Path | None  # NAME.known.toml, when there is one
 
@@ -62,6 +62,6 @@ def peers() -> list[Peer]:
         meta = module.HARNESS_PEER
         target = load_target(spec)
         out.append(Peer(info.name, spec, tuple(meta["requires"]), meta["install"], tuple(meta["upstream"]),
-                        (module.__doc__ or "").strip().splitlines()[0], not target.supports("cpu"),
+                        " ".join((module.__doc__ or "").strip().split("\n\n")[0].split()), not target.supports("cpu"),
                         known if (known := Path(__path__[0]) / f"{info.name}.known.toml").exists() else None))
     return out
