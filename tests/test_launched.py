@@ -98,8 +98,8 @@ def _verdict(path: Path) -> tuple[int, set[str]]:
 
 def test_two_nodes_tp_within_and_across_nodes_match_the_pools(tmp_path: Path, harness_pools) -> None:
     """TP 2 groups inside the 4-rank world (TP within a node, DP 2 replicas across the nodes): the
-    world-group defect is found, as on the harness's own DP pools. TP 4 across the nodes: the
-    built-in routine passes, as on the pools."""
+    world-group defect is found, as on the harness's own DP pools. TP 4 across the nodes: a correct
+    routine (the unfused reference target, kernel and wrapper levels) passes, as on the pools."""
     from harness import cli
 
     defect = ["check", "--target", "mutant:world-group-reduce", "--tp", "2", "--profile", "smoke", "-q", "-x"]
@@ -112,7 +112,7 @@ def test_two_nodes_tp_within_and_across_nodes_match_the_pools(tmp_path: Path, ha
     count, checks = _verdict(tmp_path / "tp2-pool.json")
     assert count and checks <= wrong_values, checks
 
-    clean = ["check", "--tp", "4", "--profile", "smoke", "-q"]
+    clean = ["check", "--target", "harness.targets.naive", "--tp", "4", "--profile", "smoke", "-q"]
     launched = _two_nodes("-m", "harness", *clean, "--json", str(tmp_path / "tp4.json"))
     assert [r.returncode for r in launched] == [0, 0], launched[0].stderr[-2000:] + launched[1].stderr[-2000:]
     assert sum(r.stdout.count("0 finding(s)") for r in launched) == 1  # global rank 0 alone reports

@@ -68,6 +68,22 @@ def _installed(name: str):
     return peer
 
 
+def _runner(pools, name: str) -> Runner:
+    """The installed peer's runner on the session's pools, with its known file."""
+    peer = _installed(name)
+    runner = Runner(peer.spec, pools=pools)
+    runner.known = load_known(peer.known)
+    return runner
+
+
+def _explained(runner: Runner, case) -> set[str]:
+    """The checks that found something in `case`; fails on any finding the known file does not explain."""
+    before = len(runner.known_findings)
+    _, new = runner.check(case)  # the findings no entry explains
+    assert not new, f"unexplained: {new[0].check}: {new[0].message}\n{new[0].repro}"
+    return {f.check for f in runner.known_findings[before:]}
+
+
 def test_every_adapter_loads_and_declares_itself() -> None:
     """On any machine (peers imported lazily), with what `harness peers` needs to list it."""
     assert {"megatron", "megatron_fused", "verl", "verl_chunked", "trl", "liger", "verl_fused_linear", "cce",
@@ -97,30 +113,20 @@ def test_every_known_finding_has_a_witness() -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", sorted(WITNESSES))
 def test_right_values_and_nothing_unexplained_on_ordinary_inputs(harness_pools, name: str) -> None:
-    peer = _installed(name)
-    runner = Runner(peer.spec, pools=harness_pools)
-    runner.known = load_known(peer.known)
+    runner = _runner(harness_pools, name)
     cases = [c for c in CLEAN if c.level in runner.target.levels]
     assert cases
     for case in cases:
-        before = len(runner.known_findings)
-        _, new = runner.check(case)  # the findings no entry explains
-        assert not new, f"{new[0].check}: {new[0].message}\n{new[0].repro}"
-        assert "values" not in {f.check for f in runner.known_findings[before:]}, case.spec()
+        assert "values" not in _explained(runner, case), case.spec()
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", sorted(WITNESSES))
 def test_known_findings_show_and_are_explained(harness_pools, name: str) -> None:
     """Each witness case gives its finding, and every finding it gives is explained by the known file."""
-    peer = _installed(name)
-    runner = Runner(peer.spec, pools=harness_pools)
-    runner.known = load_known(peer.known)
+    runner = _runner(harness_pools, name)
     for spec, check in WITNESSES[name]:
-        before = len(runner.known_findings)
-        _, new = runner.check(parse_case(spec))  # the findings no entry explains
-        assert not new, f"unexplained: {new[0].check}: {new[0].message}\n{new[0].repro}"
-        assert check in {f.check for f in runner.known_findings[before:]}, f"{spec}: no {check} finding"
+        assert check in _explained(runner, parse_case(spec)), f"{spec}: no {check} finding"
 
 
 def test_megatron_declares_log_prob_only() -> None:

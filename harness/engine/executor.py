@@ -63,6 +63,19 @@ def metered(target: Target) -> bool:
     return False
 
 
+def _observed_call(inp: Any, target: Target, case: Any, group: Any, meter: Meter, integrity: "_Integrity",
+                   obs: Observation) -> tuple[Any, Any]:
+    """The metered forward call; its outputs, their metadata and the inputs' integrity go into `obs`."""
+    with meter.forward():
+        log_prob, entropy = inp.call(target, case, group)
+    meter.outputs(log_prob, entropy)
+    obs.log_prob, obs.entropy = _detached(log_prob), _detached(entropy)
+    obs.log_prob_meta, obs.entropy_meta = TensorMeta.of(log_prob), TensorMeta.of(entropy)
+    obs.integrity = integrity.problems("forward")
+    obs.stage = "forward"
+    return log_prob, entropy
+
+
 def run_kernel(case: KernelCase, target: Target, rank: int, group: Any, device: torch.device,
                obs: Observation) -> None:
     """Fills `obs` as it goes: a backward that raises leaves the forward's observations. The call
@@ -72,13 +85,7 @@ def run_kernel(case: KernelCase, target: Target, rank: int, group: Any, device: 
     integrity = _Integrity(logits=inp.logits, tokens=inp.tokens, log_prob_keep_mask=inp.keep_mask)
     meter = Meter((inp.logits, inp.tokens, inp.keep_mask), device, metered(target))
     with grad_context(case.context):
-        with meter.forward():
-            log_prob, entropy = inp.call(target, case, group)
-        meter.outputs(log_prob, entropy)
-        obs.log_prob, obs.entropy = _detached(log_prob), _detached(entropy)
-        obs.log_prob_meta, obs.entropy_meta = TensorMeta.of(log_prob), TensorMeta.of(entropy)
-        obs.integrity = integrity.problems("forward")
-        obs.stage = "forward"
+        log_prob, entropy = _observed_call(inp, target, case, group, meter, integrity, obs)
         loss = inp.loss(log_prob, entropy)
         if case.context == "two_calls":  # the same logits through a second call, one graph
             loss = loss + inp.loss(*inp.call(target, case, group), second=True)
@@ -119,13 +126,7 @@ def run_linear(case: LinearCase, target: Target, rank: int, group: Any, device: 
     inp = LinearShard.of(case, rank, device)
     integrity = _Integrity(hidden=inp.hidden, weight=inp.weight, tokens=inp.tokens)
     meter = Meter((inp.hidden, inp.weight, inp.tokens), device, metered(target))
-    with meter.forward():
-        log_prob, entropy = inp.call(target, case, group)
-    meter.outputs(log_prob, entropy)
-    obs.log_prob, obs.entropy = _detached(log_prob), _detached(entropy)
-    obs.log_prob_meta, obs.entropy_meta = TensorMeta.of(log_prob), TensorMeta.of(entropy)
-    obs.integrity = integrity.problems("forward")
-    obs.stage = "forward"
+    log_prob, entropy = _observed_call(inp, target, case, group, meter, integrity, obs)
     loss = inp.loss(log_prob, entropy)
     if isinstance(loss, torch.Tensor) and loss.requires_grad:
         with meter.backward():

@@ -24,10 +24,10 @@ HARNESS_PEER = dict(requires=("verl", "megatron.core"), install="pip install ver
                               "verl.utils.megatron.tensor_parallel.vocab_parallel_log_probs_from_logits"))
 
 
-def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
-                                    log_prob_keep_mask=None, with_entropy_grad=True):
-    """Level 1 kernel over verl: `(log_prob [T] float32, entropy [T] in the logits' dtype or None)`."""
-    from verl.utils.megatron.tensor_parallel import vocab_parallel_entropy, vocab_parallel_log_probs_from_logits
+def engine_call(logits, tokens, tp_group, with_entropy, log_prob_keep_mask, entropy_fn):
+    """verl's engine's composition, with `entropy_fn(logits)` as the entropy: log-probs on a clone
+    when an entropy is computed (verl's clone, as in _lm_head_logits_processor)."""
+    from verl.utils.megatron.tensor_parallel import vocab_parallel_log_probs_from_logits
 
     if log_prob_keep_mask is not None:
         raise NotImplementedError("verl takes no keep mask (HARNESS_CAPABILITIES['keep_mask'] is False)")
@@ -35,6 +35,14 @@ def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False
     tokens = tokens.reshape(-1).to(device=logits.device, dtype=torch.long)
     entropy, logits_bak = None, logits
     if with_entropy:
-        logits_bak = logits.clone()  # verl's, as in _lm_head_logits_processor
-        entropy = vocab_parallel_entropy(logits)
+        logits_bak = logits.clone()
+        entropy = entropy_fn(logits)
     return vocab_parallel_log_probs_from_logits(logits_bak, tokens), entropy
+
+
+def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
+                                    log_prob_keep_mask=None, with_entropy_grad=True):
+    """Level 1 kernel over verl: `(log_prob [T] float32, entropy [T] in the logits' dtype or None)`."""
+    from verl.utils.megatron.tensor_parallel import vocab_parallel_entropy
+
+    return engine_call(logits, tokens, tp_group, with_entropy, log_prob_keep_mask, vocab_parallel_entropy)

@@ -9,9 +9,7 @@ default, 2048.
 """
 from __future__ import annotations
 
-import torch
-
-from harness.targets.peers._mpu import parallel_state_group
+from harness.targets.peers.verl import engine_call
 
 HARNESS_CAPABILITIES = {"keep_mask": False, "metric_only_entropy": False}
 HARNESS_PEER = dict(requires=("verl", "megatron.core"), install="pip install verl==0.9.1",
@@ -23,16 +21,8 @@ VERL_DEFAULT_CHUNK = 2048
 def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
                                     log_prob_keep_mask=None, with_entropy_grad=True):
     """Level 1 kernel over verl's chunked entropy: `(log_prob [T] float32, entropy [T] float32 or None)`."""
-    from verl.utils.megatron.tensor_parallel import (vocab_parallel_entropy_with_chunking,
-                                                     vocab_parallel_log_probs_from_logits)
+    from verl.utils.megatron.tensor_parallel import vocab_parallel_entropy_with_chunking
 
-    if log_prob_keep_mask is not None:
-        raise NotImplementedError("verl takes no keep mask (HARNESS_CAPABILITIES['keep_mask'] is False)")
-    parallel_state_group(tp_group, "verl's tensor_parallel functions")
-    tokens = tokens.reshape(-1).to(device=logits.device, dtype=torch.long)
-    entropy, logits_bak = None, logits
-    if with_entropy:
-        logits_bak = logits.clone()  # verl's, as in _lm_head_logits_processor
-        chunk = chunk_size if chunk_size > 0 else VERL_DEFAULT_CHUNK
-        entropy = vocab_parallel_entropy_with_chunking(logits.unsqueeze(0), chunk_size=chunk).squeeze(0)
-    return vocab_parallel_log_probs_from_logits(logits_bak, tokens), entropy
+    chunk = chunk_size if chunk_size > 0 else VERL_DEFAULT_CHUNK
+    return engine_call(logits, tokens, tp_group, with_entropy, log_prob_keep_mask,
+                       lambda x: vocab_parallel_entropy_with_chunking(x.unsqueeze(0), chunk_size=chunk).squeeze(0))
