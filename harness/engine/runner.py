@@ -14,7 +14,7 @@ from cases.case import Case
 from harness.checks import Check, Evidence, all_checks
 from harness.engine import torchrun
 from harness.engine.executor import CASE_JOB
-from harness.engine.pool import WorkerPool
+from harness.engine.pool import STARTUP_TIMEOUT_S, WorkerPool
 from harness.errors import TargetError
 from harness.findings import Finding, repro_command
 from harness.known import KnownFindings, load as load_known
@@ -67,6 +67,11 @@ class CheckStats:
 COMPILE_DEADLINE_S = 300.0
 
 
+def _workers(pool: WorkerPool) -> tuple[int, ...]:
+    """The pool's worker processes as they are now (a restart replaces them)."""
+    return tuple(p.pid for p in pool.procs)
+
+
 class Runner:
     """Owns one persistent pool per TP size for one target; reusable for any number of cases."""
 
@@ -92,6 +97,7 @@ class Runner:
         self.run_seconds = 0.0
         self.stats: dict[tuple[str, str], CheckStats] = defaultdict(CheckStats)
         self._cache: OrderedDict[Case, Evidence] = OrderedDict()
+        self._called_on: set[Any] = set()  # the worker processes this runner's target has been called on
         self.known = KnownFindings()
         self.known_findings: list[Finding] = []
 
@@ -139,9 +145,16 @@ class Runner:
         pool = self.pool(case.tp, case.dp)
         start = time.perf_counter()
         deadline = None
-        if not self.target.supports("eager") and isinstance(pool, WorkerPool) and pool.case_timeout_s is None:
-            deadline = max(pool.case_deadline(), COMPILE_DEADLINE_S)
+        if isinstance(pool, WorkerPool) and pool.case_timeout_s is None:
+            if _workers(pool) not in self._called_on:
+                # The target's first call on these workers imports what it calls (a peer pulling
+                # in transformers), compiles, initialises: start-up, not the cost of a case.
+                deadline = max(pool.case_deadline(), STARTUP_TIMEOUT_S)
+            elif not self.target.supports("eager"):
+                deadline = max(pool.case_deadline(), COMPILE_DEADLINE_S)
         results = replica_zero(pool.run(CASE_JOB, case, self.target.spec, deadline_s=deadline))
+        if isinstance(pool, WorkerPool):
+            self._called_on.add(_workers(pool))  # a rebuilt pool's new workers start afresh
         self.run_seconds += time.perf_counter() - start
         self.cases_run += 1
         if _needs_rebuild(results) and pool.procs:
