@@ -40,7 +40,8 @@ def test_builtin_routine_passes_inside_a_larger_world(harness_pools):
                              chunk_size=2, dp=2, seed=5)):
         ev, findings = runner.check(case)
         assert not findings, [f.message[:300] for f in findings]
-        assert [r.rank for r in ev.ranks] == [0, 1] and all(r.replica == 0 for r in ev.ranks)
+        # Every TP group is judged, each against the oracle of its own replica's data.
+        assert [(r.replica, r.rank) for r in ev.ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
 def test_world_group_reduce_passes_when_world_is_tp_and_fails_in_dp(harness_pools):
