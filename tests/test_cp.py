@@ -77,3 +77,16 @@ def test_memory_and_kernel_pass_checks_say_why_not_applied_at_cp(harness_pools):
     notes = {name: s.not_applied for (name, level), s in runner.stats.items()}
     assert any("CP > 1" in n for n in notes["memory-budget"])
     assert any("CP > 1" in n for n in notes["chunk-size-honoured"])
+
+
+CP_MUTANTS = ("cp-absent-piece-requires-grad", "zigzag-offset-off-by-one", "cp-reduce-over-tp-group",
+              "cp-reduce-over-world", "top-p-mask-wrong-cp-layout", "world-rank-as-tp-rank")
+
+
+@pytest.mark.slow
+def test_cp_mutants_are_killed_by_the_checks_they_name(harness_pools):
+    from harness.mutate import kill_matrix, run_catalog
+
+    results = run_catalog(list(CP_MUTANTS), [1, 2, 4], harness_pools, budget=10, collective_timeout_s=6,
+                          include_clean=False)
+    assert all(r.ok for r in results), kill_matrix(results)

@@ -137,17 +137,23 @@ class Check:
         return None
 
     def applicable(self, case: Case, target: Target) -> bool:
-        return case.level in self.levels and case.tp >= self.min_tp and self.applies(case, target) \
+        return case.level in self.levels and ranks(case) >= self.min_tp and self.applies(case, target) \
             and self.limit_note(case, target) is None
 
     def not_applied(self, case: Case, target: Target) -> str | None:
         """"not applied: why", for a case the check would apply to on the training path of a target
         that allows it to be measured, but cannot here; None when it applies, or would not apply anyway."""
         note = self.limit_note(case, target)
-        if note is None or case.level not in self.levels or case.tp < self.min_tp:
+        if note is None or case.level not in self.levels or ranks(case) < self.min_tp:
             return None
         train = case.replace(context="train") if getattr(case, "context", "train") != "train" else case
         return f"not applied: {note}" if self.applies(train, target) else None
+
+
+def ranks(case: Case) -> int:
+    """The ranks that share one case's sequence: its TP group, times its CP ranks. What `min_tp`
+    bounds (a check that compares ranks can fail at TP 1 once CP ranks share the work)."""
+    return case.tp * getattr(case, "cp", 1)
 
 
 REGISTRY: dict[str, Check] = {}
@@ -161,7 +167,7 @@ def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
     """Register a check. `needs`: the stage ("forward" or "backward") every rank must have completed
     for the check to have evidence (a rank that raised earlier is `crash`'s finding); None: always.
     `twin`: a second case the check compares against (run on its own pool), or None to skip.
-    `min_tp`: the smallest TP size at which the check can fail at all. `reads`: what of a call the
+    `min_tp`: the smallest TP size (times the CP size: `ranks`) at which the check can fail at all. `reads`: what of a call the
     check reads that some call contexts lack (CONTEXT_LIMITS). `family`: "bitwise" checks run only
     when asked for (`--bitwise`)."""
     unknown = set(reads) - set(CONTEXT_LIMITS) - set(TARGET_LIMITS) - set(CASE_LIMITS)

@@ -36,11 +36,7 @@ def empty_input(ev: Evidence) -> list[str]:
     return problems
 
 
-def _world(c) -> int:
-    return c.tp * getattr(c, "cp", 1) * getattr(c, "dp", 1)
-
-
-@check("collectives", levels=CALL_LEVELS, applies=lambda c, t: _world(c) > 1, needs=None)
+@check("collectives", levels=CALL_LEVELS, needs=None, min_tp=2)
 def collectives(ev: Evidence) -> list[str]:
     """Every rank issues the same sequence of collectives (op, group size, shape, dtype) as its TP
     peers; at CP > 1 also the same collectives over groups of the CP size as its CP peers (the TP
