@@ -80,3 +80,13 @@ def tp_sum(ctx) -> float:
     t = torch.tensor([float(ctx.rank + 1)])
     dist.all_reduce(t, group=mpu.get_tensor_model_parallel_group())
     return t.item()
+
+
+def slow_import(ctx, folder: str) -> int:
+    """A first call that imports a module taking seconds to import (a peer pulling in its framework)."""
+    import sys
+
+    sys.path.insert(0, folder)
+    import harness_slow_module  # noqa: F401
+
+    return ctx.rank

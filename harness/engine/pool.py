@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from harness.engine import stacks
 from harness.engine.progress import ProgressBoard
 from harness.errors import PoolStartError
 from harness.meters.trace import fmt_event
@@ -103,6 +104,7 @@ def _worker_main(rank: int, world: int, store_dir: str, conn: Connection, backen
 
     trace.install()  # before any target import, so early-bound names are traced too
     board.attach(rank)
+    stack_fh = stacks.install(store_dir, rank)  # noqa: F841 (kept open: faulthandler writes to it)
     device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -239,12 +241,23 @@ class WorkerPool:
                                   p.trace or [])
         return out
 
+    def _stuck_in_code(self, outside: list[int], watch: stacks.StackWatch) -> dict[int, RankResult]:
+        """The results of ranks stuck outside any collective, each with what its stack showed."""
+        return {r: self._result(r, f"{self.name(r)} stuck in the routine's own code, outside any collective: "
+                                   f"its stack did not change for {watch.still_seconds():.0f}s, "
+                                   f"{watch.describe(r)}", "stuck") for r in outside}
+
     def _gather(self, deadline: float, watch: bool = True) -> list[Any]:
         """One reply per rank, or a RankResult naming why that rank gave none. `watch`: read the
-        progress board and end the job as soon as the ranks still running are stuck. Once a rank
+        progress board and end the job as soon as the ranks still running are stuck: blocked in a
+        collective, or outside any with a stack that no longer moves (`stacks`). Once a rank
         has raised, the others get RAISED_GRACE_S more: a rank left waiting in a collective its
         peer never issued would otherwise hold the case until the collective timeout."""
         replies: dict[int, Any] = {}
+        started = time.monotonic()
+        median = self.median_job_s or 0.0
+        code = stacks.StackWatch(self.store_dir or "", [p.pid for p in self.procs],
+                                 max(stacks.PROBE_FLOOR_S, stacks.PROBE_COST_FACTOR * median)) if watch else None
         raised_at: float | None = None
         pending = {c: r for r, c in enumerate(self.conns)}
         sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
@@ -287,10 +300,21 @@ class WorkerPool:
                     replies.update(self._stuck(running, replies, now - moved_at))
                     self.stuck_events += 1
                     break
+                assert code is not None
+                outside = [r for r in running if not board.inside[r]]
+                code.probe(outside, now - started, now)
+                if code.stuck(outside) and now - moved_at >= code.still_seconds():
+                    inside = [r for r in running if board.inside[r]]
+                    replies.update(self._stuck(inside, replies, now - moved_at) if inside else {})
+                    replies.update(self._stuck_in_code(outside, code))
+                    self.stuck_events += 1
+                    break
         for r in range(self.world):
             if r not in replies:
                 why = (f"still running {RAISED_GRACE_S:.0f}s after another rank raised (blocked in a collective?)"
                        if raised_at is not None else "gave no answer within the deadline (hung)")
+                if code is not None and r in code.ranks:
+                    why += (": still importing or compiling, " if code.starting_up(r) else ": ") + code.describe(r)
                 trace = board.read(r).trace if board is not None else None
                 replies[r] = self._result(r, f"{self.name(r)} {why}", "timeout", trace)
         return [replies[r] for r in range(self.world)]
