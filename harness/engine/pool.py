@@ -35,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.multiprocessing as mp
@@ -319,8 +319,11 @@ class WorkerPool:
                 replies[r] = self._result(r, f"{self.name(r)} {why}", "timeout", trace)
         return [replies[r] for r in range(self.world)]
 
-    def call(self, fn_path: str, args_per_rank: list[tuple], deadline_s: float) -> list[Any]:
-        """Run `fn_path(ctx, *args)` on every rank; rebuild the pool if any rank failed to answer."""
+    def call(self, fn_path: str, args_per_rank: list[tuple], deadline_s: float,
+             while_waiting: Callable[[], Any] | None = None) -> list[Any]:
+        """Run `fn_path(ctx, *args)` on every rank; rebuild the pool if any rank failed to answer.
+        `while_waiting`: main-process work done while the ranks run (its failure is left to whoever
+        needs its result, to raise in its own place)."""
         if _interrupted:
             raise KeyboardInterrupt  # the first one was swallowed (e.g. raised inside a finalizer)
         if self.board is not None:
@@ -331,6 +334,11 @@ class WorkerPool:
                 conn.send((fn_path, args))
             except (BrokenPipeError, OSError):
                 pass  # the rank is gone; _gather reports it
+        if while_waiting is not None:
+            try:
+                while_waiting()
+            except Exception:
+                pass
         replies = self._gather(start + deadline_s)
         if any(isinstance(r, RankResult) and r.error_kind in (*HANG_KINDS, "died") for r in replies):
             self.restart()
@@ -338,9 +346,10 @@ class WorkerPool:
             self.job_seconds.append(time.monotonic() - start)
         return replies
 
-    def run(self, fn_path: str, *args: Any, deadline_s: float | None = None) -> list[Any]:
+    def run(self, fn_path: str, *args: Any, deadline_s: float | None = None,
+            while_waiting: Callable[[], Any] | None = None) -> list[Any]:
         deadline = deadline_s if deadline_s is not None else self.case_deadline()
-        return self.call(fn_path, [args] * self.world, deadline)
+        return self.call(fn_path, [args] * self.world, deadline, while_waiting)
 
     def restart(self) -> None:
         self.close()
