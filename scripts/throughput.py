@@ -1,18 +1,41 @@
 """Cases per second of the engine, per TP size: small randomized kernel and wrapper cases (3:1),
 every registered check evaluated, twins included; pools started once, start-up timed separately.
 
-    python scripts/throughput.py [--cases 200]
+    python scripts/throughput.py [--cases 200] [--breakdown]
+
+`--breakdown` also splits a checked case's wall time into its stages, per TP size and level, by
+timing the engine's own functions from this script (nothing in the harness is changed for it):
+drawing (Hypothesis, main process), the oracle (float64, main process), the round trips to the
+pool (a case and the twins its checks ask for), within them the ranks' work (the slowest rank's job:
+the target's forward calls, its backwards, and the rest: building shards, meters, traces,
+re-runs) and the transport (sending, waiting, unpickling replies), the checks, and bookkeeping
+(what is left: fitting, caching, findings).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
+import multiprocessing
 import time
+from collections import defaultdict
+from typing import Any, Callable
 
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cases.strategies import kernel_cases, wrapper_cases
+from cases.strategies import kernel_cases, linear_cases, wrapper_cases
+from harness.checks import oracle
+from harness.engine import executor, runner as runner_module
+from harness.engine.pool import WorkerPool
 from harness.engine.runner import Runner
+from harness.targets import load_target
+
+MAX_WORLD = 8
+# Per world rank: [job, forward calls, backwards] seconds of the last job (written by the ranks,
+# forked from this process after it is created, read by the driver after each round trip).
+_RANK_SECONDS = multiprocessing.RawArray("d", 3 * MAX_WORLD)
 
 
 def draw(strategy: st.SearchStrategy, n: int) -> list:
@@ -28,24 +51,154 @@ def draw(strategy: st.SearchStrategy, n: int) -> list:
     return out
 
 
+class Stages:
+    """Seconds per stage, accumulated for the level whose case is being checked."""
+
+    def __init__(self) -> None:
+        self.by_level: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.level = "kernel"
+
+    def add(self, stage: str, seconds: float) -> None:
+        self.by_level[self.level][stage] += seconds
+
+    def timed(self, stage: str, fn: Callable, net_of: str | None = None) -> Callable:
+        """fn, its time added to `stage`; `net_of`: less the time of that stage run inside it (the
+        oracle runs inside the first check that reads it)."""
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            inner = self.by_level[self.level][net_of] if net_of else 0.0
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inner = (self.by_level[self.level][net_of] - inner) if net_of else 0.0
+                self.add(stage, time.perf_counter() - start - inner)
+        return wrapper
+
+
+def _rank_slot(stage: int, fn: Callable) -> Callable:
+    """In a rank: add fn's time to this rank's slot `stage` of the last job."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _RANK_SECONDS[3 * _rank() + stage] += time.perf_counter() - start
+    return wrapper
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def timed_case_job(ctx: Any, case: Any, target_spec: str) -> Any:
+    """The engine's case job, with this rank's job, forward-call and backward seconds recorded."""
+    for k in range(3):
+        _RANK_SECONDS[3 * ctx.rank + k] = 0.0
+    start = time.perf_counter()
+    try:
+        return executor.case_job(ctx, case, target_spec)
+    finally:
+        _RANK_SECONDS[3 * ctx.rank] = time.perf_counter() - start
+
+
+def instrument(runner: Runner, stages: Stages) -> None:
+    """Time the engine's stages from outside: the oracle, the round trips, the checks; in the ranks
+    (inherited by fork), the job, the target's calls and the backwards."""
+    oracle.expected = functools.lru_cache(maxsize=256)(stages.timed("oracle", oracle.expected.__wrapped__))
+    runner_module.CASE_JOB = f"{__name__}:timed_case_job" if __name__ != "__main__" else "__main__:timed_case_job"
+    call = WorkerPool.call
+
+    def timed_call(pool: WorkerPool, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        out = call(pool, *args, **kwargs)
+        trip = time.perf_counter() - start
+        slowest = max(range(pool.world), key=lambda r: _RANK_SECONDS[3 * r])
+        job, fwd, bwd = (_RANK_SECONDS[3 * slowest + k] for k in range(3))
+        stages.add("round trips", trip)
+        stages.add("  transport", trip - job)
+        stages.add("  target forward", fwd)
+        stages.add("  target backward", bwd)
+        stages.add("  rest of the ranks' job", job - fwd - bwd)
+        stages.add("round trips (count)", 1)
+        return out
+    WorkerPool.call = timed_call  # type: ignore[method-assign]
+    target = runner.target
+    for level in ("kernel", "wrapper", "linear"):
+        fn = getattr(target, level)
+        if fn is not None:
+            setattr(target, level, _rank_slot(1, fn))
+    torch.autograd.backward = _rank_slot(2, torch.autograd.backward)
+    runner.checks = {name: dataclasses.replace(chk, fn=stages.timed("checks", chk.fn, net_of="oracle"))
+                     for name, chk in runner.checks.items()}
+    assert load_target(target.spec) is target  # the ranks resolve the same (wrapped) target
+
+
+def breakdown_table(stages: Stages, tp: int, totals: dict[str, tuple[int, float, float]]) -> list[str]:
+    rows = []
+    for level, (n, wall, drawing) in totals.items():
+        s = stages.by_level[level]
+        known = s["oracle"] + s["round trips"] + s["checks"]
+        parts = [("drawing", drawing), ("oracle", s["oracle"]), ("round trips", s["round trips"]),
+                 ("  transport", s["  transport"]), ("  target forward", s["  target forward"]),
+                 ("  target backward", s["  target backward"]),
+                 ("  rest of the ranks' job", s["  rest of the ranks' job"]),
+                 ("checks", s["checks"]), ("bookkeeping", wall - known)]
+        per = 1000.0 / max(n, 1)
+        cells = " | ".join(f"{v * per:.2f}" for _, v in parts)
+        rows.append(f"| {tp} | {level} | {n} | {s['round trips (count)'] / max(n, 1):.2f} | {cells} | "
+                    f"{(wall + drawing) * per:.2f} |")
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--cases", type=int, default=200)
+    p.add_argument("--breakdown", action="store_true", help="split a case's time into its stages (per TP, level)")
+    p.add_argument("--tp", default="1,2,4")
     ns = p.parse_args()
     runner = Runner("harness.targets.fused")
+    stages = Stages()
+    if ns.breakdown:
+        instrument(runner, stages)
     print("| TP | pool start-up (s) | distributed cases run | cases/s |")
     print("|---|---|---|---|")
-    for tp in (1, 2, 4):
+    tables: list[str] = []
+    for tp in (int(t) for t in ns.tp.split(",")):
         start = time.perf_counter()
         runner.pool(tp)
         startup = time.perf_counter() - start
-        mix = draw(kernel_cases(tp=st.just(tp)), ns.cases * 3 // 4) + draw(wrapper_cases(tp=st.just(tp)), ns.cases // 4)
-        before, start = runner.cases_run, time.perf_counter()
-        for case in mix:
-            runner.check(case)
-        took = time.perf_counter() - start
-        ran = runner.cases_run - before
+        levels = {"kernel": (kernel_cases, ns.cases * 3 // 4), "wrapper": (wrapper_cases, ns.cases // 4)}
+        if ns.breakdown:
+            levels["linear"] = (linear_cases, ns.cases // 4)
+        ran, took, totals = 0, 0.0, {}
+        for level, (strategy, n) in levels.items():
+            runs_before = runner.cases_run
+            start = time.perf_counter()
+            mix = draw(strategy(tp=st.just(tp)), n)
+            drawing = time.perf_counter() - start
+            stages.level = level
+            start = time.perf_counter()
+            for case in mix:
+                runner.check(case)
+            wall = time.perf_counter() - start
+            totals[level] = (len(mix), wall, drawing)
+            if level != "linear":  # the headline figure is the kernel and wrapper mix, as before
+                took += wall
+                ran += runner.cases_run - runs_before
         print(f"| {tp} | {startup:.2f} | {ran} | {ran / took:.1f} |", flush=True)
+        if ns.breakdown:
+            tables += breakdown_table(stages, tp, totals)
+            stages.by_level.clear()
+    if ns.breakdown:
+        print("\nMilliseconds per checked case (a case and the twins its checks ask for):\n")
+        print("| TP | level | cases | round trips per case | drawing | oracle | round trips | transport | "
+              "target forward | target backward | rest of the ranks' job | checks | bookkeeping | total |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("\n".join(tables))
     runner.close()
 
 

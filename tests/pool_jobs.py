@@ -91,3 +91,13 @@ def cp_layout(ctx) -> tuple[int, ...]:
     dist.all_reduce(t, group=group)
     return (ctx.rank, mpu.get_tensor_model_parallel_rank(), mpu.get_context_parallel_rank(), mpu.get_data_parallel_rank(),
             mpu.get_context_parallel_world_size(), dist.get_world_size(group), int(t.item()))
+
+
+def slow_import(ctx, folder: str) -> int:
+    """A first call that imports a module taking seconds to import (a peer pulling in its framework)."""
+    import sys
+
+    sys.path.insert(0, folder)
+    import harness_slow_module  # noqa: F401
+
+    return ctx.rank

@@ -91,6 +91,34 @@ def test_case_deadline_scales_with_the_measured_cost():
         pool.close()
 
 
+def test_rank_stuck_outside_any_collective_is_found_by_its_stack():
+    """Every rank sleeps in its own code, in no collective (a routine hanging from its first call):
+    stuck within seconds, by the stack, not at the 60 s deadline, and the finding says where."""
+    pool = WorkerPool(2, collective_timeout_s=60)
+    try:
+        start = time.monotonic()
+        replies = pool.run("tests.pool_jobs:sleep_everywhere", deadline_s=60)
+        assert time.monotonic() - start < 20
+        assert [r.error_kind for r in replies] == ["stuck", "stuck"], replies
+        msg = replies[0].error
+        assert "stuck in the routine's own code, outside any collective" in msg
+        assert "sleeping or waiting" in msg and "pool_jobs.py" in msg and "in sleep_everywhere" in msg
+        assert pool.run("tests.pool_jobs:all_reduce_sum") == [3.0, 3.0], "the pool was rebuilt"
+    finally:
+        pool.close()
+
+
+def test_a_slow_import_is_not_a_hang(tmp_path):
+    """A first call importing for longer than the stack probe waits (TRL's transformers import) keeps
+    its start-up deadline: the import frames say it is starting up, not stuck."""
+    (tmp_path / "harness_slow_module.py").write_text("import time\ntime.sleep(9)\n")
+    pool = WorkerPool(1, collective_timeout_s=60)
+    try:
+        assert pool.run("tests.pool_jobs:slow_import", str(tmp_path), deadline_s=60) == [0]
+    finally:
+        pool.close()
+
+
 def _ev(kinds: list[str | None], case: KernelCase = METRIC_ONLY) -> Evidence:
     return Evidence(case, load_target("harness.targets.fused"),
                     [RankResult(r, error=k and "x", error_kind=k) for r, k in enumerate(kinds)])

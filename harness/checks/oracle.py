@@ -15,7 +15,7 @@ import torch
 import reference
 from cases.case import Case, KernelCase, LinearCase, WrapperCase
 from reference.cp import PAD, local_rows, response_positions
-from harness.checks.tolerance import grad_bound, linear_bounds, value_bounds
+from harness.checks.tolerance import Rows, grad_bound, linear_bounds, value_bounds
 
 PerSample = list[torch.Tensor]
 
@@ -75,6 +75,7 @@ def _abs_sum(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | N
 def _kernel(case: KernelCase) -> Expected:
     inp = case.inputs()
     x = inp.logits.to(torch.float64)
+    stats = Rows(x, inp.tokens, inp.keep_mask)  # shared by the values' and the gradient's bounds
     grad = grad_tol = None
     w_lp, w_ent = inp.total_weights()  # two calls into one gradient: the gradient is linear in the weights
     w2 = w_ent if case.expects_entropy_grad else None
@@ -91,8 +92,8 @@ def _kernel(case: KernelCase) -> Expected:
                 rounded = rounded + reference.logits_grad(x, inp.tokens, inp.keep_mask, w_lp_i,
                                                           w_ent_i if w2 is not None else None).abs()
         grad_tol = grad_bound(x, inp.tokens, inp.keep_mask, w1_abs, w2_abs, tp=case.tp, dtype=case.dtype,
-                              grad=rounded)
-    lp_tol, ent_tol = value_bounds(x, inp.tokens, inp.keep_mask, tp=case.tp)
+                              grad=rounded, rows=stats)
+    lp_tol, ent_tol = value_bounds(x, inp.tokens, inp.keep_mask, tp=case.tp, rows=stats)
     return Expected(
         log_prob=reference.log_probs(x, inp.tokens, inp.keep_mask),
         entropy=reference.entropy(x) if case.with_entropy else None,
@@ -147,13 +148,14 @@ def _wrapper(case: WrapperCase) -> Expected:
     mask = reference.top_p_keep_mask(case.T, case.vocab, lengths, responses, inp.top_p_token_ids,
                                      inp.top_p_token_offsets)
     rounded = t != 1.0
-    lp_tol, ent_tol = value_bounds(z, tokens, mask, tp=case.tp, input_rounded=rounded)
+    stats = Rows(z, tokens, mask)  # shared by the values' and the gradient's bounds
+    lp_tol, ent_tol = value_bounds(z, tokens, mask, tp=case.tp, input_rounded=rounded, rows=stats)
     grad_tol = None
     if grad is not None:
         w1_rows = _scatter(w_lp, rows, case.T)
         w2_rows = _scatter(w2, rows, case.T) if w2 is not None else None
         grad_tol = grad_bound(z, tokens, mask, w1_rows, w2_rows, tp=case.tp, input_rounded=rounded,
-                              grad=grad * t) / abs(t)
+                              grad=grad * t, rows=stats) / abs(t)
     return Expected(
         log_prob=out["log_probs"], entropy=out["entropy"], grad=grad,
         entropy_requires_grad=out["entropy_requires_grad"],

@@ -11,6 +11,7 @@ fused-linear level: the float32 matmuls over H (forward) and over V and T (backw
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -73,6 +74,22 @@ def row_stats(x: torch.Tensor) -> dict[str, torch.Tensor]:
                 XH=E(xs.abs() * (ell + H.unsqueeze(-1)).abs()))
 
 
+class Rows:
+    """The row statistics of one input, masked and unmasked, computed once for every bound that
+    reads them (an oracle run asks for the values' and the gradient's bounds of the same rows)."""
+
+    def __init__(self, x: torch.Tensor, tokens: torch.Tensor, keep_mask: torch.Tensor | None):
+        self.x, self.tokens, self.keep_mask = x.to(torch.float64), tokens.long(), keep_mask
+
+    @functools.cached_property
+    def unmasked(self) -> dict[str, torch.Tensor]:
+        return row_stats(self.x)
+
+    @functools.cached_property
+    def masked(self) -> dict[str, torch.Tensor]:
+        return self.unmasked if self.keep_mask is None else row_stats(_mask(self.x, self.tokens, self.keep_mask))
+
+
 def _lse_err(s: dict, g: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(relative error of the softmax normaliser S, absolute error of lse), in units of 1."""
     eps_s = U32 * (g + 2 * C_FN + 2 + s["G1"])
@@ -99,16 +116,17 @@ def _input_rounding_values(s: dict, xt: torch.Tensor | None) -> torch.Tensor:
 
 
 def value_bounds(x, tokens, keep_mask=None, tp: int = 1, chain: int | None = CHAIN,
-                 input_rounded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Allowed |error| per row of (log_prob [T], entropy [T]) for a float32 routine."""
-    x = x.to(torch.float64)
+                 input_rounded: bool = False, rows: Rows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allowed |error| per row of (log_prob [T], entropy [T]) for a float32 routine. `rows`: the
+    statistics of (x, tokens, keep_mask) when the caller has them already."""
+    rows = rows or Rows(x, tokens, keep_mask)
+    x, tokens = rows.x, rows.tokens
     g = growth(x.shape[-1], tp, chain)
-    tokens = tokens.long()
-    sm = row_stats(_mask(x, tokens, keep_mask))
+    sm = rows.masked
     xt = x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     _, d_lse_m = _lse_err(sm, g)
     lp = d_lse_m + 2 * U32 * ((xt - sm["L"]).abs() + (sm["m"] - xt).abs())
-    s = sm if keep_mask is None else row_stats(x)
+    s = rows.unmasked
     ent = _entropy_bound(s, g)
     if input_rounded:
         lp = lp + _input_rounding_values(sm, xt)
@@ -117,22 +135,23 @@ def value_bounds(x, tokens, keep_mask=None, tp: int = 1, chain: int | None = CHA
 
 
 def grad_bound(x, tokens, keep_mask, w1, w2, tp: int = 1, dtype: str = "fp32", chain: int | None = CHAIN,
-               input_rounded: bool = False, grad: torch.Tensor | None = None
+               input_rounded: bool = False, grad: torch.Tensor | None = None, rows: Rows | None = None
                ) -> torch.Tensor:
     """Allowed |error| per element [T, V] of the gradient of sum(w1 lp) + sum(w2 H).
 
     w1 / w2: [T] upstream weights or None (term absent).  dtype: the logits' (= gradient's) dtype.
     grad: the float64 oracle gradient (recomputed when None), or the sum of the magnitudes of every
-    gradient that is rounded to `dtype` on the way (two calls summed in the logits' dtype)."""
-    x = x.to(torch.float64)
+    gradient that is rounded to `dtype` on the way (two calls summed in the logits' dtype).
+    `rows`: the statistics of (x, tokens, keep_mask) when the caller has them already."""
+    rows = rows or Rows(x, tokens, keep_mask)
+    x, tokens = rows.x, rows.tokens
     T, V = x.shape
     g = growth(V, tp, chain)
-    tokens = tokens.long()
     bound = torch.zeros_like(x)
     gexact = torch.zeros_like(x)
-    _, ent_b = value_bounds(x, tokens, None, tp, chain)
+    _, ent_b = value_bounds(x, tokens, None, tp, chain, rows=rows)  # the entropy's bound: never masked
     if w1 is not None:
-        sm = row_stats(_mask(x, tokens, keep_mask))
+        sm = rows.masked
         _, d_lse = _lse_err(sm, g)
         q = sm["p"]
         r = d_lse.unsqueeze(-1) + U32 * (sm["ell"].abs() + sm["gap"] + C_FN + 1)   # rel. error of q_i
@@ -145,7 +164,7 @@ def grad_bound(x, tokens, keep_mask, w1, w2, tp: int = 1, dtype: str = "fp32", c
         bound += a1 * term
         gexact += w1.to(torch.float64).unsqueeze(-1) * (onehot - q)
     if w2 is not None:
-        s = row_stats(x)
+        s = rows.unmasked
         _, d_lse = _lse_err(s, g)
         p, ell, H = s["p"], s["ell"], s["H"].unsqueeze(-1)
         r = d_lse.unsqueeze(-1) + U32 * (ell.abs() + s["gap"] + C_FN + 1)

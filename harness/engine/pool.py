@@ -35,11 +35,12 @@ from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.multiprocessing as mp
 
+from harness.engine import stacks
 from harness.engine.progress import ProgressBoard
 from harness.errors import PoolStartError
 from harness.meters.trace import fmt_event
@@ -108,6 +109,7 @@ def _worker_main(rank: int, world: int, store_dir: str, conn: Connection, backen
 
     trace.install()  # before any target import, so early-bound names are traced too
     board.attach(rank)
+    stack_fh = stacks.install(store_dir, rank)  # noqa: F841 (kept open: faulthandler writes to it)
     device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -253,12 +255,23 @@ class WorkerPool:
                                   p.trace or [])
         return out
 
+    def _stuck_in_code(self, outside: list[int], watch: stacks.StackWatch) -> dict[int, RankResult]:
+        """The results of ranks stuck outside any collective, each with what its stack showed."""
+        return {r: self._result(r, f"{self.name(r)} stuck in the routine's own code, outside any collective: "
+                                   f"its stack did not change for {watch.still_seconds():.0f}s, "
+                                   f"{watch.describe(r)}", "stuck") for r in outside}
+
     def _gather(self, deadline: float, watch: bool = True) -> list[Any]:
         """One reply per rank, or a RankResult naming why that rank gave none. `watch`: read the
-        progress board and end the job as soon as the ranks still running are stuck. Once a rank
+        progress board and end the job as soon as the ranks still running are stuck: blocked in a
+        collective, or outside any with a stack that no longer moves (`stacks`). Once a rank
         has raised, the others get RAISED_GRACE_S more: a rank left waiting in a collective its
         peer never issued would otherwise hold the case until the collective timeout."""
         replies: dict[int, Any] = {}
+        started = time.monotonic()
+        median = self.median_job_s or 0.0
+        code = stacks.StackWatch(self.store_dir or "", [p.pid for p in self.procs],
+                                 max(stacks.PROBE_FLOOR_S, stacks.PROBE_COST_FACTOR * median)) if watch else None
         raised_at: float | None = None
         pending = {c: r for r, c in enumerate(self.conns)}
         sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
@@ -301,16 +314,30 @@ class WorkerPool:
                     replies.update(self._stuck(running, replies, now - moved_at))
                     self.stuck_events += 1
                     break
+                assert code is not None
+                outside = [r for r in running if not board.inside[r]]
+                code.probe(outside, now - started, now)
+                if code.stuck(outside) and now - moved_at >= code.still_seconds():
+                    inside = [r for r in running if board.inside[r]]
+                    replies.update(self._stuck(inside, replies, now - moved_at) if inside else {})
+                    replies.update(self._stuck_in_code(outside, code))
+                    self.stuck_events += 1
+                    break
         for r in range(self.world):
             if r not in replies:
                 why = (f"still running {RAISED_GRACE_S:.0f}s after another rank raised (blocked in a collective?)"
                        if raised_at is not None else "gave no answer within the deadline (hung)")
+                if code is not None and r in code.ranks:
+                    why += (": still importing or compiling, " if code.starting_up(r) else ": ") + code.describe(r)
                 trace = board.read(r).trace if board is not None else None
                 replies[r] = self._result(r, f"{self.name(r)} {why}", "timeout", trace)
         return [replies[r] for r in range(self.world)]
 
-    def call(self, fn_path: str, args_per_rank: list[tuple], deadline_s: float) -> list[Any]:
-        """Run `fn_path(ctx, *args)` on every rank; rebuild the pool if any rank failed to answer."""
+    def call(self, fn_path: str, args_per_rank: list[tuple], deadline_s: float,
+             while_waiting: Callable[[], Any] | None = None) -> list[Any]:
+        """Run `fn_path(ctx, *args)` on every rank; rebuild the pool if any rank failed to answer.
+        `while_waiting`: main-process work done while the ranks run (its failure is left to whoever
+        needs its result, to raise in its own place)."""
         if _interrupted:
             raise KeyboardInterrupt  # the first one was swallowed (e.g. raised inside a finalizer)
         if self.board is not None:
@@ -321,6 +348,11 @@ class WorkerPool:
                 conn.send((fn_path, args))
             except (BrokenPipeError, OSError):
                 pass  # the rank is gone; _gather reports it
+        if while_waiting is not None:
+            try:
+                while_waiting()
+            except Exception:
+                pass
         replies = self._gather(start + deadline_s)
         if any(isinstance(r, RankResult) and r.error_kind in (*HANG_KINDS, "died") for r in replies):
             self.restart()
@@ -328,9 +360,10 @@ class WorkerPool:
             self.job_seconds.append(time.monotonic() - start)
         return replies
 
-    def run(self, fn_path: str, *args: Any, deadline_s: float | None = None) -> list[Any]:
+    def run(self, fn_path: str, *args: Any, deadline_s: float | None = None,
+            while_waiting: Callable[[], Any] | None = None) -> list[Any]:
         deadline = deadline_s if deadline_s is not None else self.case_deadline()
-        return self.call(fn_path, [args] * self.world, deadline)
+        return self.call(fn_path, [args] * self.world, deadline, while_waiting)
 
     def restart(self) -> None:
         self.close()

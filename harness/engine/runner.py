@@ -7,11 +7,11 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from cases.capabilities import fit
 from cases.case import Case
-from harness.checks import Check, Evidence, all_checks
+from harness.checks import Check, Evidence, all_checks, oracle
 from harness.engine import torchrun
 from harness.engine.executor import CASE_JOB
 from harness.engine.pool import STARTUP_TIMEOUT_S, WorkerPool
@@ -129,9 +129,10 @@ class Runner:
         """The case as this target can take it (its declared capabilities: `cases.capabilities`)."""
         return fit(case, self.target.supports)
 
-    def run(self, case: Case) -> Evidence:
+    def run(self, case: Case, while_waiting: Callable[[], Any] | None = None) -> Evidence:
         """Run a case on every rank of its pool. Results are cached per case: checks that share
-        draws (pytest ids of one group, twins) share one distributed run."""
+        draws (pytest ids of one group, twins) share one distributed run. `while_waiting`: work
+        for the main process while the ranks run (the case's oracle, when it will be checked)."""
         case = self.fit(case)
         if case in self._cache:
             self._cache.move_to_end(case)
@@ -146,7 +147,8 @@ class Runner:
                 deadline = max(pool.case_deadline(), STARTUP_TIMEOUT_S)
             elif not self.target.supports("eager"):
                 deadline = max(pool.case_deadline(), COMPILE_DEADLINE_S)
-        results = by_group(pool.run(CASE_JOB, case, self.target.spec, deadline_s=deadline))
+        results = by_group(pool.run(CASE_JOB, case, self.target.spec, deadline_s=deadline,
+                                    while_waiting=while_waiting))
         if isinstance(pool, WorkerPool):
             self._called_on.add(_workers(pool))  # a rebuilt pool's new workers start afresh
         self.run_seconds += time.perf_counter() - start
@@ -169,7 +171,8 @@ class Runner:
     def check(self, case: Case, only: set[str] | None = None) -> tuple[Evidence, list[Finding]]:
         """Run one case (and the twins its checks ask for); evaluate every applicable check."""
         case = self.fit(case)
-        ev = self.run(case)
+        # The float64 oracle is computed while the ranks run the case (it is cached for the checks).
+        ev = self.run(case, while_waiting=lambda: oracle.expected(case))
         ev = Evidence(case, self.target, ev.ranks)  # fresh twins and margins for this evaluation
         findings = []
         for chk in self.checks.values():

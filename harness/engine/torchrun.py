@@ -114,9 +114,16 @@ class LaunchedPool:
     def _send(self, message: tuple) -> None:
         dist.broadcast_object_list([message], src=0, group=self.control)
 
-    def run(self, fn_path: str, *args: Any, deadline_s: float | None = None) -> list[Any]:
+    def run(self, fn_path: str, *args: Any, deadline_s: float | None = None,
+            while_waiting: Callable[[], Any] | None = None) -> list[Any]:
         """`fn_path(ctx, *args)` on every launched rank (the driver included), results in rank order.
-        `deadline_s` is not enforced: the TP groups' collective timeout bounds a stuck collective."""
+        `deadline_s` is not enforced: the TP groups' collective timeout bounds a stuck collective.
+        `while_waiting` runs first: the driver is a rank here, so there is no wait to fill."""
+        if while_waiting is not None:
+            try:
+                while_waiting()
+            except Exception:
+                pass
         self._send(("job", fn_path, args))
         results: list[Any] = [None] * self.world
         dist.gather_object(_call(self.ctx, fn_path, args), results, dst=0, group=self.control)
