@@ -194,7 +194,7 @@ def cmd_repro(ns: argparse.Namespace, cfg: RunConfig) -> int:
     try:
         case = parse_case(ns.case)
     except (ValueError, TypeError) as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(f"{e} (`python -m harness fields` lists every field and its values)") from None
     runner = Runner.for_run(cfg)
     try:
         _, findings = runner.check(case)
