@@ -59,6 +59,34 @@ def summary_table(runner: Runner, findings: list[Finding]) -> str:
     return "\n".join(lines)
 
 
+FOLDED_SHOWN = 8  # a check's other findings listed, one line each, under its shrunk one
+
+
+def finding_blocks(findings: list[Finding], json_file: str | None = None) -> list[str]:
+    """What the run prints of its findings, check by check in the order they first failed: the
+    check's shrunk (minimal) findings first and in full, the first labelled as the one to start
+    from; its other findings (the corpus's, larger cases) folded under them, one line each. The
+    JSON keeps every finding in full."""
+    by_check: dict[str, list[Finding]] = {}
+    for f in findings:
+        by_check.setdefault(f.check, []).append(f)
+    blocks = []
+    for check, group in by_check.items():
+        lead = [f for f in group if f.shrunk] or group[:1]
+        rest = [f for f in group if not any(f is g for g in lead)]
+        for i, f in enumerate(lead):
+            label = (" shrunk, start from this one:" if i == 0 else " shrunk:") if f.shrunk else ""
+            message = f.message[:1500].replace("\n", "\n  ")
+            blocks.append(f"\nFINDING [{f.check}] ({f.level}){label} {f.case}\n  {message}\n  repro: {f.repro}")
+        if rest:
+            where = f"in full in {json_file}" if json_file else "in full with --json FILE"
+            lines = [f"    {f.case}" for f in rest[:FOLDED_SHOWN]]
+            if len(rest) > FOLDED_SHOWN:
+                lines.append(f"    ... and {len(rest) - FOLDED_SHOWN} more")
+            blocks.append(f"  and {len(rest)} more [{check}] finding(s) on other cases ({where}):\n" + "\n".join(lines))
+    return blocks
+
+
 def _table(rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
@@ -180,8 +208,8 @@ def cmd_check(ns: argparse.Namespace, cfg: RunConfig) -> int:
         print(line)
     if limits.reached():
         print(f"stopped after {len(limits.found)} finding(s) (--max-findings {limits.max_findings})")
-    for f in findings:
-        print(f"\nFINDING [{f.check}] ({f.level}) {f.case}\n  {f.message[:1500]}\n  repro: {f.repro}")
+    for block in finding_blocks(findings, ns.json):
+        print(block)
     if runner.known.path:
         print("\n" + (known_summary(runner) or f"no known findings ({runner.known.path})"))
     if ns.json:
