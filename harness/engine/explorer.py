@@ -62,7 +62,8 @@ def run_corpus(runner: Runner, tps: Iterable[int], progress: Callable[[str], Non
         if limits is not None:
             limits.observe(ev)
             limits.record(fs)
-        progress(f"corpus {entry.name}: {'ok' if not fs else ', '.join(sorted({f.check for f in fs}))}")
+        moved = f" (ran at TP {case.tp}: its TP {entry.case.tp} was not asked for)" if case.tp != entry.case.tp else ""
+        progress(f"corpus {entry.name}{moved}: {'ok' if not fs else ', '.join(sorted({f.check for f in fs}))}")
         if (stop is not None and stop(findings)) or (limits is not None and limits.reached()):
             break
     return findings
