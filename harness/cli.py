@@ -226,6 +226,7 @@ def cmd_repro(ns: argparse.Namespace, cfg: RunConfig) -> int:
     runner = Runner.for_run(cfg)
     try:
         _, findings = runner.check(case)
+        runner.explain(findings)
     finally:
         runner.close()
     print(case.spec())

@@ -58,7 +58,7 @@ def run_corpus(runner: Runner, tps: Iterable[int], progress: Callable[[str], Non
             progress(f"corpus {entry.name}: skipped ({limits.skip_reason(case, unshrunk=True)})")
             continue
         ev, fs = runner.check(case)
-        findings += fs
+        findings += runner.explain(fs)
         if limits is not None:
             limits.observe(ev)
             limits.record(fs)
@@ -120,7 +120,7 @@ def explore(runner: Runner, level: str, tps: Iterable[int], max_examples: int, s
         except _Stop:
             pass
         except _NewFailure as failure:  # re-raised by Hypothesis from the shrunk example
-            for f in failure.findings:
+            for f in runner.explain(failure.findings):
                 f.shrunk = True
                 known.add(f.check)
                 out.append(f)

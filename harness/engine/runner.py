@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cases.capabilities import fit
-from cases.case import Case
+from cases.case import Case, parse_case
 from harness.checks import Check, Evidence, all_checks
 from harness.engine import torchrun
 from harness.engine.executor import CASE_JOB
@@ -217,6 +217,21 @@ class Runner:
                 else:
                     stats.known += 1
         return ev, findings
+
+    def explain(self, findings: list[Finding]) -> list[Finding]:
+        """Lead each finding's message with what its check's `explain` adds (which loss term a wrong
+        gradient comes from, from the same case run with each term alone). It runs more cases, so
+        it is for the findings a run reports, not for every failing case met while exploring."""
+        for f in findings:
+            chk = self.checks.get(f.check)
+            if chk is None or chk.explain is None:
+                continue
+            case = parse_case(f.case)
+            note = chk.explain(Evidence(case, self.target, self.run(case).ranks),
+                               lambda c: Evidence(self.fit(c), self.target, self.run(c).ranks))
+            if note:
+                f.message = f"{note}; {f.message}"[:4000]
+        return findings
 
     def _note_not_applied(self, chk: Check, case: Case) -> None:
         """A check that would apply to the case in the training context, but not in its own, says
