@@ -163,6 +163,8 @@ def cmd_check(ns: argparse.Namespace, cfg: RunConfig) -> int:
     try:
         try:
             say(f"target {runner.target.spec}: levels {', '.join(runner.target.levels)}; TP {cfg.tp}; profile {profile.name}")
+            if runner.repro_env:
+                say(f"the target came from this directory or $PYTHONPATH: repro lines set {runner.repro_env.strip()}")
             for feature, ok in sorted(runner.target.capabilities.items()):
                 if not ok:
                     say(f"target provides no {feature}: cases needing it are not drawn")

@@ -96,7 +96,7 @@ class Option:
 
 
 OPTIONS: dict[str, Option] = {o.dest: o for o in (
-    Option("--target", "module (or mutant:NAME) under test", DEFAULT_TARGET),
+    Option("--target", "the routine under test: a module path, a .py file, or mutant:NAME", DEFAULT_TARGET),
     Option("--tp", "TP sizes, e.g. 1,2,4", [1, 2, 4], tp_list),
     Option("--device", "cpu: gloo pools, fork; cuda: NCCL pools, spawn", "cpu", choices=("cpu", "cuda")),
     Option("--collective-timeout", "gloo/NCCL timeout of every collective, seconds: the backstop of a "

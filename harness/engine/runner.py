@@ -20,7 +20,7 @@ from harness.findings import Finding, repro_command
 from harness.known import KnownFindings, load as load_known
 from harness.observations import HANG_KINDS, RankResult
 from harness.options import RunConfig
-from harness.targets import Target, load_target
+from harness.targets import Target, load_target, repro_env
 
 CACHE_SIZE = 4096
 KNOWN_KEPT = 200  # known findings kept for the report; every match is counted on its entry
@@ -82,6 +82,7 @@ class Runner:
         `case_timeout_s`: fixed case deadline for the pools this runner starts (None: scaled to their cost).
         `bitwise`: include the opt-in bitwise checks (when `checks` is None)."""
         self.target: Target = load_target(target_spec)
+        self.repro_env = repro_env(self.target)  # "PYTHONPATH=... " when the target came from here
         unavailable = self.target.unavailable(device)
         if unavailable:
             raise TargetError(unavailable)
@@ -209,7 +210,7 @@ class Runner:
                 held[1] += not problems
             if problems:
                 finding = Finding(chk.name, case.level, case.spec(), "; ".join(problems)[:4000],
-                                  repro_command(self.target.spec, case),
+                                  repro_command(self.target.spec, case, self.repro_env),
                                   ranks=sorted({r.rank for r in ev.failed_ranks}))
                 if self.new_findings([finding]):
                     stats.failed += 1
