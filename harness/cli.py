@@ -1,4 +1,8 @@
-"""`python -m harness`: check a target, re-run one case, and (in later subcommands) more.
+"""`python -m harness`: check a log-prob/entropy routine against its contract (`check`: the
+regression corpus, then randomized cases at TP 1, 2, 4, each failure shrunk, with a repro line),
+re-run one case (`repro`), list the checks (`checks`) and the case fields (`fields`), hunt the
+mutation catalog (`mutate`), check the field's routines (`peers`) and compare saved baselines
+(`trend`).
 
 Exit codes: 0 no findings, 1 findings, 2 usage, target or infrastructure error.
 """

@@ -103,7 +103,8 @@ OPTIONS: dict[str, Option] = {o.dest: o for o in (
            "stuck collective (stuck ranks are found sooner, by evidence)", 20.0, positive_float, metavar="S"),
     Option("--case-timeout", "deadline of one case, seconds (default: 100 x the pool's median case time, "
            "at least 10 s, at most twice the collective timeout plus 10 s)", None, positive_float, metavar="S"),
-    Option("--profile", "how many randomized cases (smoke: seconds, ci: about a minute)", DEFAULT_PROFILE,
+    Option("--profile", "how many randomized cases: smoke (seconds), ci (the default, about a minute), dev (ci's "
+           "cases; under pytest more examples and a failure database), thorough (about 13x ci)", DEFAULT_PROFILE,
            choices=tuple(sorted(PROFILES))),
     Option("--seed", "seed of the randomized cases", 0, seed_value),
     Option("--known", "TOML file of known findings (docs/known-findings.md): reported apart, they do not "
