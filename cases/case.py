@@ -93,13 +93,30 @@ class WrapperInputs:
                 [a + b for a, b in zip(self.w_entropy, self.w_entropy_2)])
 
 
-# Fields left out of the spec at their default, so the specs (and test ids) of cases that
-# predate them stay unchanged.
 REPLICA_SEED_STRIDE = 1_000_003
+
+
+def choice(default: str, values: tuple[str, ...] | dict[str, Any]) -> Any:
+    """A case field whose value is one of `values` (a tuple of this module, the one place they are
+    listed): a case, and so a spec, with any other value is refused, saying which are valid, and
+    `python -m harness fields` lists them."""
+    return dataclasses.field(default=default, metadata={"values": tuple(values)})
+
+
+def valid_values(cls: type) -> dict[str, tuple[str, ...]]:
+    """The fields of a case class that take one of a fixed set of values, and those values."""
+    return {f.name: f.metadata["values"] for f in dataclasses.fields(cls) if "values" in f.metadata}
 
 
 class _CaseBase:
     level: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        for name, allowed in valid_values(type(self)).items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"unknown {name} {value!r} for {self.level} cases; "
+                                 f"valid: {', '.join(allowed)}")
 
     def spec(self) -> str:
         """Stable one-line form; `parse_case(spec)` rebuilds the case. Fields added after the first
@@ -147,19 +164,19 @@ class KernelCase(_CaseBase):
     tp: int
     T: int
     v_local: int
-    dtype: str = "fp32"
-    regime: str = "normal"
+    dtype: str = choice("fp32", DTYPES)
+    regime: str = choice("normal", REGIMES)
     chunk_size: int = -1
-    mask: str = "none"
+    mask: str = choice("none", MASKS)
     with_entropy: bool = True
     with_entropy_grad: bool = True
     requires_grad: bool = True
-    loss_terms: str = "both"  # which outputs the upstream loss uses: both | log_prob | entropy
+    loss_terms: str = choice("both", LOSS_TERMS)  # which outputs the upstream loss uses
     seed: int = 0
     dp: int = 1  # data-parallel replicas: the TP group is a subgroup of a world of tp x dp ranks
-    layout: str = "contiguous"  # LAYOUTS: the memory layout of the logits handed over
-    token_layout: str = "contiguous"  # TOKEN_LAYOUTS
-    context: str = "train"  # CONTEXTS: how the routine is called
+    layout: str = choice("contiguous", LAYOUTS)  # the memory layout of the logits handed over
+    token_layout: str = choice("contiguous", TOKEN_LAYOUTS)
+    context: str = choice("train", CONTEXTS)  # how the routine is called
     # Rows [row_start, row_start + T) of the batch of `batch_of` rows the seed draws (0: the batch
     # is this case's T rows): a row's values then do not depend on which rows are run with it.
     batch_of: int = 0
@@ -239,13 +256,14 @@ class WrapperCase(_CaseBase):
     temperature: float | None = None  # None: absent, meaning 1.0
     chunk_size: int = -1
     with_entropy: bool = True
-    top_p: str = "none"
-    regime: str = "normal"
+    top_p: str = choice("none", TOP_P)
+    regime: str = choice("normal", REGIMES)
     seed: int = 0
     dp: int = 1  # data-parallel replicas: the TP group is a subgroup of a world of tp x dp ranks
-    layout: str = "contiguous"  # LAYOUTS, of the [T, V_local] rows (the wrapper gets them unsqueezed)
-    token_layout: str = "contiguous"  # "offset"/"strided": every sample's tokens are a slice of one buffer
-    context: str = "train"  # CONTEXTS
+    layout: str = choice("contiguous", LAYOUTS)  # of the [T, V_local] rows (the wrapper gets them unsqueezed)
+    # "offset"/"strided": every sample's tokens are a slice of one buffer
+    token_layout: str = choice("contiguous", TOKEN_LAYOUTS)
+    context: str = choice("train", CONTEXTS)
     repeat: int = 0  # the n-th identical run of the same call (determinism); changes no input
     # Context parallelism: `cp` ranks share the packed sequence (laid out as `cp_layout` says); the
     # world is TP x CP x DP. `T` stays the whole sequence's rows, drawn alike at every CP size.
@@ -361,13 +379,13 @@ class LinearCase(_CaseBase):
     T: int
     H: int
     v_local: int
-    dtype: str = "fp32"
-    regime: str = "normal"  # LINEAR_REGIMES
+    dtype: str = choice("fp32", DTYPES)
+    regime: str = choice("normal", LINEAR_REGIMES)
     chunk_size: int = -1
     with_entropy: bool = True
     with_entropy_grad: bool = True
     requires_grad: bool = True  # the hidden states and the weight shard both require grad (or neither)
-    loss_terms: str = "both"  # which outputs the upstream loss uses: both | log_prob | entropy
+    loss_terms: str = choice("both", LOSS_TERMS)  # which outputs the upstream loss uses
     seed: int = 0
     level: ClassVar[str] = "linear"
     dp: ClassVar[int] = 1
@@ -432,7 +450,9 @@ def _parse(raw: str, annotation: str) -> Any:
     if raw == "absent" and "None" in annotation:
         return None
     if annotation.startswith("bool"):
-        return bool(int(raw))
+        if raw not in ("0", "1"):
+            raise ValueError(f"{raw!r} is not a flag (0 or 1)")
+        return raw == "1"
     if annotation.startswith("int"):
         return int(raw)
     if annotation.startswith("float"):
@@ -440,17 +460,35 @@ def _parse(raw: str, annotation: str) -> Any:
     return raw
 
 
+def field_syntax(f: dataclasses.Field) -> str:
+    """What a spec may write for a field: its values, or the form of its type."""
+    if "values" in f.metadata:
+        return "|".join(f.metadata["values"])
+    annotation = str(f.type)
+    forms = [("tuple", "N/N/... (- for none)"), ("bool", "0|1"), ("int", "integer"), ("float", "number")]
+    form = next((text for key, text in forms if annotation.startswith(key)), annotation)
+    return form + ("|absent" if "None" in annotation else "")
+
+
 def parse_case(spec: str) -> Case:
-    """Inverse of `spec()`; raises ValueError with the offending part on bad input."""
+    """Inverse of `spec()`; raises ValueError naming the offending part and what is valid there."""
     level, _, body = spec.partition(":")
     if level not in CASE_TYPES:
-        raise ValueError(f"unknown case level {level!r} in {spec!r}; expected one of {sorted(CASE_TYPES)}")
+        raise ValueError(f"unknown case level {level!r} in {spec!r}; valid: {', '.join(CASE_TYPES)}")
     cls = CASE_TYPES[level]
-    fields = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
     for part in filter(None, body.split(",")):
         key, sep, raw = part.partition("=")
         if not sep or key not in fields:
-            raise ValueError(f"bad case field {part!r}; {level} cases have {', '.join(fields)}")
-        values[key] = _parse(raw, fields[key])
+            raise ValueError(f"unknown case field {part!r}: {level} cases have "
+                             + ", ".join(f"{k}={field_syntax(f)}" for k, f in fields.items()))
+        try:
+            values[key] = _parse(raw, str(fields[key].type))
+        except ValueError:
+            raise ValueError(f"bad value in {part!r}: {key} takes {field_syntax(fields[key])}") from None
+    missing = [k for k, f in fields.items() if k not in values
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"{spec!r} lacks {', '.join(missing)}: every {level} case sets them")
     return cls(**values)

@@ -1,4 +1,8 @@
-"""`python -m harness`: check a target, re-run one case, and (in later subcommands) more.
+"""`python -m harness`: check a log-prob/entropy routine against its contract (`check`: the
+regression corpus, then randomized cases at TP 1, 2, 4, each failure shrunk, with a repro line),
+re-run one case (`repro`), list the checks (`checks`) and the case fields (`fields`), hunt the
+mutation catalog (`mutate`), check the field's routines (`peers`) and compare saved baselines
+(`trend`).
 
 Exit codes: 0 no findings, 1 findings, 2 usage, target or infrastructure error.
 """
@@ -57,6 +61,34 @@ def summary_table(runner: Runner, findings: list[Finding]) -> str:
     if notes:
         lines += ["", "checks not applied to some cases, and why:", *notes]
     return "\n".join(lines)
+
+
+FOLDED_SHOWN = 8  # a check's other findings listed, one line each, under its shrunk one
+
+
+def finding_blocks(findings: list[Finding], json_file: str | None = None) -> list[str]:
+    """What the run prints of its findings, check by check in the order they first failed: the
+    check's shrunk (minimal) findings first and in full, the first labelled as the one to start
+    from; its other findings (the corpus's, larger cases) folded under them, one line each. The
+    JSON keeps every finding in full."""
+    by_check: dict[str, list[Finding]] = {}
+    for f in findings:
+        by_check.setdefault(f.check, []).append(f)
+    blocks = []
+    for check, group in by_check.items():
+        lead = [f for f in group if f.shrunk] or group[:1]
+        rest = [f for f in group if not any(f is g for g in lead)]
+        for i, f in enumerate(lead):
+            label = (" shrunk, start from this one:" if i == 0 else " shrunk:") if f.shrunk else ""
+            message = f.message[:1500].replace("\n", "\n  ")
+            blocks.append(f"\nFINDING [{f.check}] ({f.level}){label} {f.case}\n  {message}\n  repro: {f.repro}")
+        if rest:
+            where = f"in full in {json_file}" if json_file else "in full with --json FILE"
+            lines = [f"    {f.case}" for f in rest[:FOLDED_SHOWN]]
+            if len(rest) > FOLDED_SHOWN:
+                lines.append(f"    ... and {len(rest) - FOLDED_SHOWN} more")
+            blocks.append(f"  and {len(rest)} more [{check}] finding(s) on other cases ({where}):\n" + "\n".join(lines))
+    return blocks
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:
@@ -135,6 +167,8 @@ def cmd_check(ns: argparse.Namespace, cfg: RunConfig) -> int:
     try:
         try:
             say(f"target {runner.target.spec}: levels {', '.join(runner.target.levels)}; TP {cfg.tp}; profile {profile.name}")
+            if runner.repro_env:
+                say(f"the target came from this directory or $PYTHONPATH: repro lines set {runner.repro_env.strip()}")
             for feature, ok in sorted(runner.target.capabilities.items()):
                 if not ok:
                     say(f"target provides no {feature}: cases needing it are not drawn")
@@ -181,8 +215,8 @@ def cmd_check(ns: argparse.Namespace, cfg: RunConfig) -> int:
         print(line)
     if limits.reached():
         print(f"stopped after {len(limits.found)} finding(s) (--max-findings {limits.max_findings})")
-    for f in findings:
-        print(f"\nFINDING [{f.check}] ({f.level}) {f.case}\n  {f.message[:1500]}\n  repro: {f.repro}")
+    for block in finding_blocks(findings, ns.json):
+        print(block)
     if runner.known.path:
         print("\n" + (known_summary(runner) or f"no known findings ({runner.known.path})"))
     if ns.json:
@@ -195,10 +229,11 @@ def cmd_repro(ns: argparse.Namespace, cfg: RunConfig) -> int:
     try:
         case = parse_case(ns.case)
     except (ValueError, TypeError) as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(f"{e} (`python -m harness fields` lists every field and its values)") from None
     runner = Runner.for_run(cfg)
     try:
         _, findings = runner.check(case)
+        runner.explain(findings)
     finally:
         runner.close()
     print(case.spec())

@@ -23,5 +23,6 @@ class Finding:
         return asdict(self)
 
 
-def repro_command(target: str, case: Case) -> str:
-    return f"python -m harness repro --target {shlex.quote(target)} {shlex.quote(case.spec())}"
+def repro_command(target: str, case: Case, env: str = "") -> str:
+    """`env`: what the line must set to import the target from anywhere (`targets.repro_env`)."""
+    return f"{env}python -m harness repro --target {shlex.quote(target)} {shlex.quote(case.spec())}"

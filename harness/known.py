@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cases.case import CASE_TYPES, fmt_field, parse_case
+from cases.case import CASE_TYPES, fmt_field, parse_case, valid_values
 from harness.checks import BASELINE_CHECKS, all_checks
 from harness.errors import UsageError
 from harness.findings import Finding
@@ -60,6 +60,15 @@ def _field(case: Any, key: str) -> str:
     return fmt_field(getattr(case, key))
 
 
+def _choices() -> dict[str, tuple[str, ...]]:
+    """The values a `where` condition may name, per field with a fixed set (any level's)."""
+    out: dict[str, tuple[str, ...]] = {"level": tuple(CASE_TYPES)}
+    for cls in CASE_TYPES.values():
+        for name, values in valid_values(cls).items():
+            out[name] = out.get(name, ()) + tuple(v for v in values if v not in out.get(name, ()))
+    return out
+
+
 @dataclass
 class KnownFindings:
     entries: list[Entry] = field(default_factory=list)
@@ -86,6 +95,7 @@ def load(path: str | Path) -> KnownFindings:
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise UsageError(f"cannot read known findings {path}: {e}") from None
     fields = {f for cls in CASE_TYPES.values() for f in cls.__dataclass_fields__} | {"T", "level", "vocab"}
+    choices = _choices()
     entries = []
     for i, raw in enumerate(data.get("known", [])):
         where = f"{path}: entry {i + 1}"
@@ -99,10 +109,14 @@ def load(path: str | Path) -> KnownFindings:
         conditions = raw.get("where", {})
         bad = sorted(set(conditions) - fields)
         if bad:
-            raise UsageError(f"{where}: unknown case field(s) {bad}; known: {sorted(fields)}")
-        entries.append(Entry(checks, {k: tuple(map(_spec_text, v if isinstance(v, list) else [v]))
-                                      for k, v in conditions.items()},
-                             str(raw["reason"]), str(raw.get("link", ""))))
+            raise UsageError(f"{where}: unknown case field(s) {bad}; known: {sorted(fields)} "
+                             "(`python -m harness fields` lists them with their values)")
+        values = {k: tuple(map(_spec_text, v if isinstance(v, list) else [v])) for k, v in conditions.items()}
+        for key, given in values.items():
+            unknown = [v for v in given if key in choices and v not in choices[key]]
+            if unknown:
+                raise UsageError(f"{where}: unknown {key} value(s) {unknown}; valid: {', '.join(choices[key])}")
+        entries.append(Entry(checks, values, str(raw["reason"]), str(raw.get("link", ""))))
     if set(data) - {"known"}:
         raise UsageError(f"{path}: unexpected top-level key(s) {sorted(set(data) - {'known'})}; use [[known]] tables")
     return KnownFindings(entries, str(path))

@@ -106,7 +106,7 @@ class Option:
 
 
 OPTIONS: dict[str, Option] = {o.dest: o for o in (
-    Option("--target", "module (or mutant:NAME) under test", DEFAULT_TARGET),
+    Option("--target", "the routine under test: a module path, a .py file, or mutant:NAME", DEFAULT_TARGET),
     Option("--tp", "TP sizes, e.g. 1,2,4", [1, 2, 4], tp_list),
     Option("--cp", "context-parallel sizes of the wrapper cases, e.g. 2,4 (default: the profile's for `check`, "
            "none for pytest; 1: none)", None, cp_list),
@@ -115,7 +115,8 @@ OPTIONS: dict[str, Option] = {o.dest: o for o in (
            "stuck collective (stuck ranks are found sooner, by evidence)", 20.0, positive_float, metavar="S"),
     Option("--case-timeout", "deadline of one case, seconds (default: 100 x the pool's median case time, "
            "at least 10 s, at most twice the collective timeout plus 10 s)", None, positive_float, metavar="S"),
-    Option("--profile", "how many randomized cases (smoke: seconds, ci: about a minute)", DEFAULT_PROFILE,
+    Option("--profile", "how many randomized cases: smoke (seconds), ci (the default, about a minute), dev (ci's "
+           "cases; under pytest more examples and a failure database), thorough (about 13x ci)", DEFAULT_PROFILE,
            choices=tuple(sorted(PROFILES))),
     Option("--seed", "seed of the randomized cases", 0, seed_value),
     Option("--known", "TOML file of known findings (docs/known-findings.md): reported apart, they do not "

@@ -71,7 +71,8 @@ def test_one_broken_all_reduce_fails_readably(outside: Path) -> None:
     run = _suite(outside, "--target", "my_broken_logprobs", "-k", "values and kernel and tp2 and fp32-unmasked")
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-2000:]
     assert "[values] rank 0 log_prob" in run.stdout
-    assert "repro: python -m harness repro --target my_broken_logprobs kernel:tp=2," in run.stdout
+    # The target came from the current directory: the repro line carries the PYTHONPATH the run used.
+    assert f"repro: PYTHONPATH={outside} python -m harness repro --target my_broken_logprobs kernel:tp=2," in run.stdout
     assert "1 failed" in run.stdout
 
 

@@ -76,6 +76,11 @@ class Evidence:
 
 
 CheckFn = Callable[[Evidence], list[str]]
+# `explain(evidence, run) -> sentence`: what more a failing check can say by running other cases
+# (`run(case)` returns their evidence), e.g. which loss term a wrong gradient comes from. It costs
+# runs, so the runner asks it only of the findings a run reports (`Runner.explain`), not of every
+# failing case that exploring and shrinking meet.
+ExplainFn = Callable[[Evidence, Callable[[Case], Evidence]], str]
 
 # What a check may read that a call context does not have: (contexts, why). A check that would apply
 # to a case in the training context but reads one of these says "not applied: why" instead.
@@ -122,6 +127,7 @@ class Check:
     doc: str
     reads: tuple[str, ...] = ()  # CONTEXT_LIMITS and TARGET_LIMITS keys
     family: str = "default"
+    explain: ExplainFn | None = None
 
     def limit_note(self, case: Case, target: Target) -> str | None:
         """Why the case's call context, or the target, leaves this check nothing to read, or None."""
@@ -163,13 +169,13 @@ def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
           applies: Callable[[Case, Target], bool] = lambda c, t: True,
           twin: Callable[[Case], Case | None] | None = None,
           needs: str | None = "backward", min_tp: int = 1, reads: tuple[str, ...] = (),
-          family: str = "default") -> Callable[[CheckFn], CheckFn]:
+          family: str = "default", explain: ExplainFn | None = None) -> Callable[[CheckFn], CheckFn]:
     """Register a check. `needs`: the stage ("forward" or "backward") every rank must have completed
     for the check to have evidence (a rank that raised earlier is `crash`'s finding); None: always.
     `twin`: a second case the check compares against (run on its own pool), or None to skip.
     `min_tp`: the smallest TP size (times the CP size: `ranks`) at which the check can fail at all. `reads`: what of a call the
     check reads that some call contexts lack (CONTEXT_LIMITS). `family`: "bitwise" checks run only
-    when asked for (`--bitwise`)."""
+    when asked for (`--bitwise`). `explain`: see ExplainFn."""
     unknown = set(reads) - set(CONTEXT_LIMITS) - set(TARGET_LIMITS) - set(CASE_LIMITS)
     if unknown or family not in FAMILIES:
         raise ValueError(f"check {name!r}: unknown reads {sorted(unknown)} or family {family!r}")
@@ -178,7 +184,7 @@ def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
         if name in REGISTRY:
             raise ValueError(f"check {name!r} registered twice")
         REGISTRY[name] = Check(name, levels, fn, applies, twin, needs, min_tp,
-                               (fn.__doc__ or "").strip(), tuple(reads), family)
+                               (fn.__doc__ or "").strip(), tuple(reads), family, explain)
         return fn
     return register
 

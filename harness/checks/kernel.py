@@ -7,6 +7,7 @@ import torch
 
 from cases.case import KernelCase, LinearCase
 from harness.checks import Evidence, check
+from harness.checks.terms import kernel_terms
 
 KERNEL = ("kernel", "linear")
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -35,7 +36,8 @@ def values(ev: Evidence) -> list[str]:
     return problems
 
 
-@check("gradients", levels=KERNEL, applies=lambda c, t: c.T > 0 and c.has_backward, reads=("autograd",))
+@check("gradients", levels=KERNEL, applies=lambda c, t: c.T > 0 and c.has_backward, reads=("autograd",),
+       explain=lambda ev, run: kernel_terms(ev, run, gradients))
 def gradients(ev: Evidence) -> list[str]:
     """The local gradient is the local slice of the oracle's gradient of sum(w1*lp) + sum(w2*H);
     with two calls (accumulated microbatches, or two losses summed in one graph), the sum of both.

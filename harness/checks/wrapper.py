@@ -5,6 +5,7 @@ import torch
 
 from cases.case import WrapperCase
 from harness.checks import Evidence, check
+from harness.checks.terms import wrapper_terms
 from reference.cp import response_positions
 
 WRAPPER = ("wrapper",)
@@ -93,7 +94,8 @@ def top_p_replay(ev: Evidence) -> list[str]:
     return _per_sample(ev, "log_prob", "log-probs under top-p replay") + _per_sample(ev, "entropy", "entropy (never masked)")
 
 
-@check("wrapper-gradients", levels=WRAPPER, applies=lambda c, t: sum(c.response_lengths) > 0, reads=("autograd",))
+@check("wrapper-gradients", levels=WRAPPER, applies=lambda c, t: sum(c.response_lengths) > 0, reads=("autograd",),
+       explain=lambda ev, run: wrapper_terms(ev, run, wrapper_gradients))
 def wrapper_gradients(ev: Evidence) -> list[str]:
     """Gradient w.r.t. the raw logits shard, including the entropy term exactly when entropy_coef != 0;
     in every TP group (each DP replica, each CP rank: the slice of the whole gradient on its rows)."""

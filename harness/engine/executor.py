@@ -242,17 +242,18 @@ def run_wrapper(case: WrapperCase, target: Target, rank: int, device: torch.devi
 
 def kernel_pass(case: WrapperCase, target: Target, values: torch.Tensor, device: torch.device) -> KernelPass:
     """The target kernel on the wrapper's rows, at the case's chunk size and unchunked, called as
-    the wrapper calls it (a `[1, T, V_local]` leaf, laid out alike, squeezed, shifted targets, the
+    the wrapper calls it (`[1, T, V_local]` logits, laid out alike, squeezed, shifted targets, the
     same per-sample losses), on the training path. Its collectives stay out of the job's trace. The temperature is left out: it changes
     neither the collectives nor, at temperature 1 where memory is compared, the bytes."""
     full = case.inputs()
     tokens = reference.shifted_targets(full.unconcat_tokens, list(case.total_lengths)).to(device)
     out = KernelPass()
     for chunk in (case.chunk_size, -1):
-        _, leaf = laid_out(values.detach().clone(), case.layout, True)
-        meter = Meter((leaf, tokens), device, metered(target))
+        # `logits` is a view, or (layout "nonleaf") an op's output: the gradient lands on `source`.
+        source, logits = laid_out(values.detach().clone(), case.layout, True)
+        meter = Meter((logits, tokens), device, metered(target))
         with trace.recording() as events, meter.forward():
-            log_prob, entropy = target.kernel(leaf, tokens, tp_group(), with_entropy=case.with_entropy,
+            log_prob, entropy = target.kernel(logits, tokens, tp_group(), with_entropy=case.with_entropy,
                                               chunk_size=chunk, log_prob_keep_mask=None,
                                               with_entropy_grad=case.expects_entropy_grad)
         out.traces[chunk] = list(events)
@@ -263,7 +264,7 @@ def kernel_pass(case: WrapperCase, target: Target, values: torch.Tensor, device:
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
             with trace.recording(), meter.backward():
                 loss.backward()
-            meter.gradients(leaf.grad)
+            meter.gradients(source.grad)
         out.memory[chunk] = meter.figures
     return out
 

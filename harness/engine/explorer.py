@@ -59,11 +59,12 @@ def run_corpus(runner: Runner, tps: Iterable[int], progress: Callable[[str], Non
             progress(f"corpus {entry.name}: skipped ({limits.skip_reason(case, unshrunk=True)})")
             continue
         ev, fs = runner.check(case)
-        findings += fs
+        findings += runner.explain(fs)
         if limits is not None:
             limits.observe(ev)
             limits.record(fs)
-        progress(f"corpus {entry.name}: {'ok' if not fs else ', '.join(sorted({f.check for f in fs}))}")
+        moved = f" (ran at TP {case.tp}: its TP {entry.case.tp} was not asked for)" if case.tp != entry.case.tp else ""
+        progress(f"corpus {entry.name}{moved}: {'ok' if not fs else ', '.join(sorted({f.check for f in fs}))}")
         if (stop is not None and stop(findings)) or (limits is not None and limits.reached()):
             break
     return findings
@@ -121,7 +122,7 @@ def explore(runner: Runner, level: str, tps: Iterable[int], max_examples: int, s
         except _Stop:
             pass
         except _NewFailure as failure:  # re-raised by Hypothesis from the shrunk example
-            for f in failure.findings:
+            for f in runner.explain(failure.findings):
                 f.shrunk = True
                 known.add(f.check)
                 out.append(f)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from cases.capabilities import fit
-from cases.case import Case
+from cases.case import Case, parse_case
 from harness.checks import Check, Evidence, all_checks, oracle
 from harness.engine import torchrun
 from harness.engine.executor import CASE_JOB
@@ -20,7 +20,7 @@ from harness.findings import Finding, repro_command
 from harness.known import KnownFindings, load as load_known
 from harness.observations import RankResult
 from harness.options import RunConfig
-from harness.targets import Target, load_target
+from harness.targets import Target, load_target, repro_env
 
 CACHE_SIZE = 4096
 KNOWN_KEPT = 200  # known findings kept for the report; every match is counted on its entry
@@ -74,6 +74,7 @@ class Runner:
         `case_timeout_s`: fixed case deadline for the pools this runner starts (None: scaled to their cost).
         `bitwise`: include the opt-in bitwise checks (when `checks` is None)."""
         self.target: Target = load_target(target_spec)
+        self.repro_env = repro_env(self.target)  # "PYTHONPATH=... " when the target came from here
         unavailable = self.target.unavailable(device)
         if unavailable:
             raise TargetError(unavailable)
@@ -206,7 +207,7 @@ class Runner:
                 held[1] += not problems
             if problems:
                 finding = Finding(chk.name, case.level, case.spec(), "; ".join(problems)[:4000],
-                                  repro_command(self.target.spec, case),
+                                  repro_command(self.target.spec, case, self.repro_env),
                                   ranks=sorted({r.rank for r in ev.failed_ranks}))
                 if self.new_findings([finding]):
                     stats.failed += 1
@@ -214,6 +215,21 @@ class Runner:
                 else:
                     stats.known += 1
         return ev, findings
+
+    def explain(self, findings: list[Finding]) -> list[Finding]:
+        """Lead each finding's message with what its check's `explain` adds (which loss term a wrong
+        gradient comes from, from the same case run with each term alone). It runs more cases, so
+        it is for the findings a run reports, not for every failing case met while exploring."""
+        for f in findings:
+            chk = self.checks.get(f.check)
+            if chk is None or chk.explain is None:
+                continue
+            case = parse_case(f.case)
+            note = chk.explain(Evidence(case, self.target, self.run(case).ranks),
+                               lambda c: Evidence(self.fit(c), self.target, self.run(c).ranks))
+            if note:
+                f.message = f"{note}; {f.message}"[:4000]
+        return findings
 
     def _note_not_applied(self, chk: Check, case: Case) -> None:
         """A check that would apply to the case in the training context, but not in its own, says

@@ -1,7 +1,8 @@
 """Targets: the implementations under test, resolved from a spec string.
 
-A spec is an importable module path (`harness.targets.fused`, `mypkg.logprobs`) or `PREFIX:NAME`
-for a target namespace: a package that registers itself under the entry-point group
+A spec is an importable module path (`harness.targets.fused`, `mypkg.logprobs`), a Python file
+(`mylp.py`, `./pkg/mylp.py`: imported by its module name, then known by its absolute path) or
+`PREFIX:NAME` for a target namespace: a package that registers itself under the entry-point group
 `harness.target_namespaces` (the mutation catalog is `mutant:NAME`). The resolver knows no
 namespace by name. A module provides the kernel, the wrapper, the fused-linear routine
 (docs/fused-linear.md), or any of them, under the contract's names. Optional module attributes describe it further:
@@ -23,7 +24,11 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
+import os
+import shlex
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
@@ -100,10 +105,67 @@ def _namespace(prefix: str) -> Callable[[str], Any]:
     return found[0].load()
 
 
+def is_file_spec(spec: str) -> bool:
+    """A target given as a file (`mylp.py`, `./pkg/mylp.py`): a module path has no `/` and no `.py`."""
+    return spec.endswith(".py") or "/" in spec or os.sep in spec
+
+
+def _import_file(spec: str) -> tuple[str, ModuleType]:
+    """(absolute path, module) of a target given as a file. It is imported under its module name:
+    its stem, prefixed by the packages it sits in (folders with an `__init__.py`), from the folder
+    above them, which goes on sys.path (at the end: the file's siblings import, nothing is
+    shadowed). The absolute path is the spec from then on, so pool workers and repro lines
+    resolve the same file from any directory."""
+    path = Path(spec).expanduser().resolve()
+    if not path.is_file():
+        raise TargetError(f"no such file: {spec} (a target is a module path, PREFIX:NAME, or a .py file)")
+    parts = [] if path.name == "__init__.py" else [path.stem]
+    root = path.parent
+    while (root / "__init__.py").is_file():
+        parts.insert(0, root.name)
+        root = root.parent
+    name = ".".join(parts)
+    if not parts or not all(p.isidentifier() for p in parts):
+        raise TargetError(f"{spec}: {name!r} is not an importable module name; rename the file")
+    if str(root) not in sys.path:
+        sys.path.append(str(root))
+    try:
+        module = importlib.import_module(name)
+    except Exception as e:  # any import-time failure is the target's, not ours
+        raise TargetError(f"cannot import target {spec!r} (module {name} from {root}): {type(e).__name__}: {e}") from None
+    found = Path(getattr(module, "__file__", None) or "").resolve()
+    if found != path:
+        raise TargetError(f"{spec}: its module name {name!r} is taken by {found}; rename the file or pass a module path")
+    return str(path), module
+
+
+def repro_env(target: Target) -> str:
+    """The environment a repro line needs to import the target from another directory: for a module
+    target found only through the current directory or $PYTHONPATH (and not the harness's own), the
+    `PYTHONPATH=...` the run used, absolute and led by the target's folder; otherwise ""."""
+    parts = target.spec.split(".")
+    module = sys.modules.get(target.spec)
+    file = getattr(module, "__file__", None)
+    if file is None or is_file_spec(target.spec):
+        return ""
+    path = Path(file).resolve()
+    root = path.parents[len(parts) - 1 + (path.name == "__init__.py")]
+    entries = [Path(p).resolve() for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root == Path(__file__).resolve().parents[2] or root not in (Path.cwd().resolve(), *entries):
+        return ""
+    paths = list(dict.fromkeys(str(p) for p in (root, *entries)))
+    return f"PYTHONPATH={shlex.quote(os.pathsep.join(paths))} "
+
+
 def load_target(spec: str) -> Target:
-    """Resolve a spec once per process; raises TargetError with a one-line reason."""
+    """Resolve a spec once per process; raises TargetError with a one-line reason. A file path
+    resolves to the absolute path, which is then the target's spec."""
     if spec in _cache:
         return _cache[spec]
+    if is_file_spec(spec):
+        path, ns = _import_file(spec)
+        _cache[spec] = _cache[path] = target = _cache.get(path) or from_namespace(path, ns)
+        return target
     prefix, sep, name = spec.partition(":")
     if sep:
         ns = _namespace(prefix)(name)
