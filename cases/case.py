@@ -268,7 +268,7 @@ class WrapperCase(_CaseBase):
     # Context parallelism: `cp` ranks share the packed sequence (laid out as `cp_layout` says); the
     # world is TP x CP x DP. `T` stays the whole sequence's rows, drawn alike at every CP size.
     cp: int = 1
-    cp_layout: str = "zigzag"  # CP_LAYOUTS
+    cp_layout: str = choice("zigzag", CP_LAYOUTS)
     level: ClassVar[str] = "wrapper"
 
     @property
