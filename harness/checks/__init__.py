@@ -32,6 +32,11 @@ class Evidence:
     def expected(self) -> oracle.Expected:
         return oracle.expected(self.case)
 
+    @functools.cached_property
+    def expected_second(self) -> oracle.Expected:
+        """The second call's answer in a two_inputs context (its own inputs: `Case.second()`)."""
+        return oracle.expected(self.case.second())
+
     @property
     def failed_ranks(self) -> list[RankResult]:
         return [r for r in self.ranks if r.error]
@@ -44,10 +49,11 @@ class Evidence:
     def obs(self, rank: int = 0) -> Observation:
         return self.ranks[rank].obs
 
-    def full_grad(self) -> torch.Tensor | None:
+    def full_grad(self, second: bool = False) -> torch.Tensor | None:
         """The gradient assembled from every rank's shard, in rank order: the logits' [T, V] (shards
-        along the vocab, the last dim), or at the linear level the LM head's [V, H] (along the first)."""
-        shards = [r.obs.grad for r in self.ranks]
+        along the vocab, the last dim), or at the linear level the LM head's [V, H] (along the first).
+        `second`: the second call's, in a two_inputs context."""
+        shards = [r.obs.grad_2 if second else r.obs.grad for r in self.ranks]
         if any(s is None for s in shards):
             return None
         return torch.cat(shards, dim=0 if self.case.level == "linear" else -1)
@@ -66,8 +72,8 @@ CheckFn = Callable[[Evidence], list[str]]
 # to a case in the training context but reads one of these says "not applied: why" instead.
 CONTEXT_LIMITS: dict[str, tuple[tuple[str, ...], str]] = {
     "autograd": (AUTOGRAD_OFF, "autograd is off, so there is no graph, gradient or retained memory to check"),
-    "call-memory": (("two_calls",), "one backward serves both calls, so one call's backward memory "
-                                    "cannot be told apart"),
+    "call-memory": (("two_calls", "two_inputs"), "one backward serves both calls, so one call's backward "
+                                                  "memory cannot be told apart"),
 }
 # What a check may read that a target may not let the harness measure: (capability, which cases,
 # why). A check that would apply but reads one of these says "not applied: why" instead.

@@ -38,24 +38,38 @@ def values(ev: Evidence) -> list[str]:
 @check("gradients", levels=KERNEL, applies=lambda c, t: c.T > 0 and c.has_backward, reads=("autograd",))
 def gradients(ev: Evidence) -> list[str]:
     """The local gradient is the local slice of the oracle's gradient of sum(w1*lp) + sum(w2*H);
-    with two calls (accumulated microbatches, or two losses summed in one graph), the sum of both.
+    with two calls (accumulated microbatches, or two losses summed in one graph), the sum of both;
+    with two calls on different inputs in one graph (two_inputs), each call's inputs get their own.
     Linear level: the weight shard's gradient is its slice of the full head's, and every rank's
-    hidden-state gradient is the full one (all-reduced over the TP group)."""
-    grad = ev.full_grad()
-    if grad is None:
-        inputs = "the weight shard" if ev.case.level == "linear" else "the logits"
-        return [f"no gradient reached {inputs} (log_prob is not differentiable)"]
-    exp = ev.expected
+    hidden-state gradient is the full one (all-reduced over the TP group); a frozen input gets None."""
+    problems = _gradients(ev, ev.expected, second=False)
+    if ev.case.context == "two_inputs":
+        problems += _gradients(ev, ev.expected_second, second=True)
+    return problems
+
+
+def _gradients(ev: Evidence, exp, second: bool) -> list[str]:
+    call = " (second call)" if second else ""
+    grad = ev.full_grad(second)
     if ev.case.level != "linear":
-        return ev.compare(grad, exp.grad, exp.grad_tol, "grad (all shards)")
-    # Column-parallel: every rank must hold the full gradient of the replicated hidden states.
-    problems = ev.compare(grad, exp.grad, exp.grad_tol, "weight grad (all shards)")
-    for r in ev.ranks:
-        if r.obs.grad_hidden is None:
-            problems.append(f"rank {r.rank}: no gradient reached the hidden states")
+        if grad is None:
+            return [f"no gradient reached the logits{call} (log_prob is not differentiable)"]
+        return ev.compare(grad, exp.grad, exp.grad_tol, f"grad (all shards){call}")
+    problems = []
+    if exp.grad is not None:
+        if grad is None:
+            problems.append(f"no gradient reached the weight shard{call}")
         else:
-            problems += ev.compare(r.obs.grad_hidden, exp.grad_hidden, exp.grad_hidden_tol,
-                                   f"rank {r.rank} hidden grad")
+            problems += ev.compare(grad, exp.grad, exp.grad_tol, f"weight grad (all shards){call}")
+    if exp.grad_hidden is None:
+        return problems
+    # Column-parallel: every rank must hold the full gradient of the replicated hidden states.
+    for r in ev.ranks:
+        got = r.obs.grad_hidden_2 if second else r.obs.grad_hidden
+        if got is None:
+            problems.append(f"rank {r.rank}: no gradient reached the hidden states{call}")
+        else:
+            problems += ev.compare(got, exp.grad_hidden, exp.grad_hidden_tol, f"rank {r.rank} hidden grad{call}")
     return problems
 
 

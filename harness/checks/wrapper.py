@@ -88,12 +88,17 @@ def top_p_replay(ev: Evidence) -> list[str]:
 
 @check("wrapper-gradients", levels=WRAPPER, applies=lambda c, t: sum(c.response_lengths) > 0, reads=("autograd",))
 def wrapper_gradients(ev: Evidence) -> list[str]:
-    """Gradient w.r.t. the raw logits shard, including the entropy term exactly when entropy_coef != 0."""
-    grad = ev.full_grad()
-    if grad is None:
-        return ["no gradient reached the logits"]
-    exp = ev.expected
-    return ev.compare(grad, exp.grad, exp.grad_tol, "grad (all shards)")
+    """Gradient w.r.t. the raw logits shard, including the entropy term exactly when entropy_coef != 0;
+    in a two_inputs context, each call's logits get their own call's gradient."""
+    problems = []
+    for second, exp in ((False, ev.expected), *(((True, ev.expected_second),) if ev.case.context == "two_inputs" else ())):
+        call = " (second call)" if second else ""
+        grad = ev.full_grad(second)
+        if grad is None:
+            problems.append(f"no gradient reached the logits{call}")
+        else:
+            problems += ev.compare(grad, exp.grad, exp.grad_tol, f"grad (all shards){call}")
+    return problems
 
 
 @check("chunk-size-honoured", levels=WRAPPER, applies=lambda c, t: c.kernel_comparable and t.kernel is not None)
