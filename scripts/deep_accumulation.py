@@ -58,7 +58,7 @@ def main() -> None:
     print(f"{'dtype':5} {'data':10} {'chunks':>6} {'T':>5} {'float32 acc':>12} {'dtype acc':>10}")
     for dtype in ("bf16", "fp16"):
         for regime in ("normal", "drift"):
-            for chunks in (4, 12, 32, 128, 256, 512):
+            for chunks in (4, 12, 32, 64, 128, 256, 512):
                 T = chunks * args.chunk
                 cases = [LinearCase(tp=1, T=T, H=8, v_local=16, dtype=dtype, regime=regime,
                                     chunk_size=args.chunk, with_entropy=False, seed=s) for s in range(args.seeds)]

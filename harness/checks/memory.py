@@ -96,7 +96,7 @@ def chunk_passthrough(ev: Evidence) -> list[str]:
             if got.get(m) is None or chunked.get(m) is None:
                 continue
             # The wrapper may spend its own allowance (a contiguous copy of transposed logits) on top
-            # of its kernel's figure, as memory-budget lets it; never less than the kernel's.
+            # of its kernel's figure, as memory-budget lets it; below it, only O(T).
             allowed = memory.slack(c.T)
             if got[m] - chunked[m] > allowed + allowance(c, m) or chunked[m] - got[m] > allowed:
                 like = " — the unchunked kernel's figure: log_probs_chunk_size ignored" \

@@ -90,8 +90,9 @@ def top_p_replay(ev: Evidence) -> list[str]:
 def wrapper_gradients(ev: Evidence) -> list[str]:
     """Gradient w.r.t. the raw logits shard, including the entropy term exactly when entropy_coef != 0;
     in a two_inputs context, each call's logits get their own call's gradient."""
+    calls = [(False, ev.expected)] + ([(True, ev.expected_second)] if ev.case.context == "two_inputs" else [])
     problems = []
-    for second, exp in ((False, ev.expected), *(((True, ev.expected_second),) if ev.case.context == "two_inputs" else ())):
+    for second, exp in calls:
         call = " (second call)" if second else ""
         grad = ev.full_grad(second)
         if grad is None:
