@@ -103,6 +103,19 @@ def test_builtin_passes(case):
     assert _problems(case) == {}
 
 
+CONTROLS = ("unshifted", "online", "gather", "twopass_pairwise", "inplace_grad", "autograd_collective")
+
+
+@pytest.mark.parametrize("name", CONTROLS)
+def test_controls_pass_the_new_kernel_and_wrapper_cases(name):
+    """Zero false findings on the new case paths (the controls have no linear level)."""
+    for case in (KernelCase(tp=1, T=7, v_local=6, context="two_inputs", mask="random", chunk_size=3, dtype="bf16", seed=1),
+                 KernelCase(tp=1, T=200, v_local=3, chunk_size=1, seed=2),
+                 WrapperCase(tp=1, v_local=5, total_lengths=(5, 4), response_lengths=(3, 2), entropy_coef=0.1,
+                             context="two_inputs", chunk_size=2, seed=3)):
+        assert _problems(case, f"tests.controls.{name}") == {}
+
+
 def test_frozen_input_gets_no_gradient_and_the_other_is_checked():
     ev = _evidence(LinearCase(tp=1, T=6, H=8, v_local=5, frozen="weight", seed=1))
     assert ev.obs().grad is None and ev.obs().grad_hidden is not None
