@@ -28,12 +28,20 @@ NONCONTIGUOUS = ("transposed", "row_strided", "col_strided")
 TOKEN_LAYOUTS = ("contiguous", "strided", "offset")  # int64 always; a view or a slice of a buffer
 # How the routine is called: the training path; under torch.no_grad() or torch.inference_mode()
 # (old-policy / reference log-probs); two microbatches accumulated into the same .grad (two
-# calls, two backwards); two calls in one graph whose losses are summed (one backward).
-CONTEXTS = ("train", "no_grad", "inference_mode", "accumulate", "two_calls")
+# calls, two backwards); two calls in one graph whose losses are summed (one backward); two calls
+# in one graph on different inputs (two microbatches, or policy and reference rows, in one loss:
+# the second call's inputs are `Case.second()`'s, so state a routine keeps beside itself instead of
+# on ctx is overwritten by the second call and shows in the first call's gradient).
+CONTEXTS = ("train", "no_grad", "inference_mode", "accumulate", "two_calls", "two_inputs")
 AUTOGRAD_OFF = ("no_grad", "inference_mode")
 # Context parallelism (CONTRACT.md): how the packed sequence's rows are spread over the CP ranks.
 CP_LAYOUTS = ("zigzag", "allgather")
 TWO_CALLS = ("accumulate", "two_calls")
+LINEAR_CONTEXTS = ("train", "two_inputs")  # the fused-linear level runs on the training path only
+# Which input of a fused-linear case is frozen (requires no grad): neither; the LM head (LoRA,
+# adapters); the hidden states (a frozen trunk under a trained head).
+FROZEN = ("none", "weight", "hidden")
+SECOND_SEED_STRIDE = 7_368_787  # the second call's seed in a two_inputs context (not a replica's)
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -135,6 +143,11 @@ class _CaseBase:
     def replace(self, **changes: Any):
         return dataclasses.replace(self, **changes)
 
+    def second(self):
+        """The second call's case in a two_inputs context: the same shapes and settings on other
+        inputs (another seed), on the training path; its own oracle is the second call's answer."""
+        return dataclasses.replace(self, context="train", seed=(self.seed + SECOND_SEED_STRIDE) % 2**31)
+
     @property
     def vocab(self) -> int:
         return self.tp * self.v_local
@@ -197,6 +210,14 @@ class KernelCase(_CaseBase):
     def has_backward(self) -> bool:
         """The upstream loss reaches the logits through at least one differentiable output."""
         return self.grad_on and (self.loss_terms != "entropy" or self.expects_entropy_grad)
+
+    def second(self) -> "KernelCase":
+        """The second call's case in a two_inputs context: the next T rows of a batch of 2T drawn
+        from the same seed (a second microbatch), so that its tokens differ from the first call's
+        too (the first rows of a draw are the shard-edge ids), on the training path."""
+        if self.batch_of:
+            return super().second()
+        return self.replace(context="train", batch_of=2 * self.T, row_start=self.T)
 
     def rows_of_batch(self, start: int, count: int, **changes: Any) -> "KernelCase":
         """The case that runs rows [start, start + count) of this case's batch, alone."""
@@ -353,8 +374,12 @@ class WrapperCase(_CaseBase):
 
 
 LINEAR_REGIMES = ("normal", "peaked", "wide")
+# The deep-accumulation regime's data (`cases.strategies.DEEP`): hidden-state channels with a
+# non-zero mean and loss weights of one sign (SFT's mean NLL, a response's GRPO advantage), so the
+# terms of dW = sum_t G_t^T h_t drift over the rows instead of cancelling (docs/tolerances.md).
+DRIFT = "drift"
 # The spread of the logits hidden @ weight.T per regime: O(1) to O(10), as a trained LM head's are.
-_LINEAR_SCALE = {"normal": 2.0, "peaked": 2.0, "wide": 8.0}
+_LINEAR_SCALE = {"normal": 2.0, "peaked": 2.0, "wide": 8.0, DRIFT: 2.0}
 _LINEAR_SPIKE = 14.0  # a peaked row's confident logit stands this far above the rest (cf. `_logits`)
 
 
@@ -380,21 +405,32 @@ class LinearCase(_CaseBase):
     H: int
     v_local: int
     dtype: str = choice("fp32", DTYPES)
-    regime: str = choice("normal", LINEAR_REGIMES)
+    regime: str = choice("normal", LINEAR_REGIMES + (DRIFT,))
     chunk_size: int = -1
     with_entropy: bool = True
     with_entropy_grad: bool = True
-    requires_grad: bool = True  # the hidden states and the weight shard both require grad (or neither)
+    requires_grad: bool = True  # the hidden states and the weight shard require grad (or neither), but `frozen`
     loss_terms: str = choice("both", LOSS_TERMS)  # which outputs the upstream loss uses
     seed: int = 0
+    frozen: str = choice("none", FROZEN)  # with requires_grad, the input that still requires no grad
+    context: str = choice("train", LINEAR_CONTEXTS)
     level: ClassVar[str] = "linear"
     dp: ClassVar[int] = 1
-    context: ClassVar[str] = "train"
     layout: ClassVar[str] = "contiguous"
 
     grad_on = KernelCase.grad_on
     expects_entropy_grad = KernelCase.expects_entropy_grad
     has_backward = KernelCase.has_backward
+
+    @property
+    def hidden_grad(self) -> bool:
+        """The hidden states require grad (their gradient is asked for)."""
+        return self.requires_grad and self.frozen != "hidden"
+
+    @property
+    def weight_grad(self) -> bool:
+        """The weight shard requires grad (its gradient is asked for)."""
+        return self.requires_grad and self.frozen != "weight"
 
     def group(self) -> str:
         return f"{self.level}-tp{self.tp}-{self.dtype}"
@@ -419,15 +455,19 @@ class LinearCase(_CaseBase):
                         for i in (r * (V // k), (r + 1) * (V // k) - 1)})  # as KernelCase.inputs
         n = min(T, len(edges))
         tokens[:n] = torch.tensor(edges[:n], dtype=torch.int64)
+        if self.regime == DRIFT:
+            hidden += torch.randn(H, generator=g, dtype=torch.float64)  # every row's channel means
         dtype = DTYPES[self.dtype]
         w1, w2 = torch.randn(T, generator=g), torch.randn(T, generator=g)
+        if self.regime == DRIFT:
+            w1, w2 = -w1.abs(), -w2.abs()
         lp, ent = self.loss_terms != "entropy", self.loss_terms != "log_prob"
         return LinearInputs(hidden.to(dtype), weight.to(dtype), tokens, w1 if lp else None, w2 if ent else None)
 
 
 # Case fields that are left out of a spec at their default value (see `spec`).
 _LATER_FIELDS = frozenset({"dp", "layout", "token_layout", "context", "batch_of", "row_start", "repeat", "cp",
-                           "cp_layout"})
+                           "cp_layout", "frozen"})
 
 CASE_TYPES: dict[str, type] = {"kernel": KernelCase, "wrapper": WrapperCase, "linear": LinearCase}
 Case = KernelCase | WrapperCase | LinearCase

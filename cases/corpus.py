@@ -116,4 +116,26 @@ CORPUS: tuple[Regression, ...] = (
                LinearCase(tp=2, T=5, H=12, v_local=6, with_entropy_grad=False, seed=18)),
     Regression("linear-peaked-bf16", "fused linear: bf16 inputs, float32 matmul accumulation; a peaked row",
                "values", LinearCase(tp=4, T=7, H=48, v_local=9, dtype="bf16", regime="peaked", seed=19)),
+    # Cases real trainers make (issue 24).
+    Regression("linear-frozen-head", "caller: a frozen LM head (LoRA, adapters): the hidden states' gradient only, "
+               "and no memory spent on the weight's", "memory-budget",
+               LinearCase(tp=2, T=4, H=64, v_local=32, frozen="weight", seed=24)),
+    Regression("linear-frozen-trunk", "caller: frozen hidden states under a trained LM head: the weight's gradient "
+               "must still come", "gradients", LinearCase(tp=2, T=6, H=8, v_local=5, frozen="hidden", seed=241)),
+    Regression("two-inputs-one-graph", "caller: two microbatches (or policy and reference rows) through two calls in "
+               "one graph: state kept beside the routine instead of on ctx mixes them up", "gradients",
+               KernelCase(tp=2, T=6, v_local=5, context="two_inputs", seed=242)),
+    Regression("wrapper-two-inputs-one-graph", "caller: the wrapper on two batches in one graph", "wrapper-gradients",
+               _w(entropy_coef=0.01, context="two_inputs")),
+    Regression("linear-two-inputs-one-graph", "caller: two hidden-state batches through the fused head in one graph",
+               "gradients", LinearCase(tp=2, T=6, H=8, v_local=5, context="two_inputs", seed=243)),
+    Regression("linear-deep-accumulation", "verl's FusedLinearForPPO: dW summed over row chunks in bf16; 256 chunks "
+               "of drifting data take it past the bound (scripts/deep_accumulation.py)", "gradients",
+               LinearCase(tp=1, T=256, H=8, v_local=16, dtype="bf16", regime="drift", chunk_size=1, with_entropy=False,
+                          seed=244)),
+    Regression("wrapper-transposed-contiguous-copy", "a false finding (issue 24): a wrapper's contiguous copy of "
+               "transposed logits, which the kernel saves, is the allowance memory-budget grants; "
+               "memory-chunk-passthrough must grant it too", "memory-chunk-passthrough",
+               WrapperCase(tp=1, v_local=7, total_lengths=(4,), response_lengths=(0,), chunk_size=1, with_entropy=False,
+                           layout="transposed", seed=245)),
 )

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from cases.case import (CONTEXTS, CP_LAYOUTS, LAYOUTS, LINEAR_REGIMES, LOSS_TERMS, MASKS, REGIMES, TOKEN_LAYOUTS, TOP_P,
-                        KernelCase, LinearCase, WrapperCase)
+from cases.case import (CONTEXTS, CP_LAYOUTS, DRIFT, FROZEN, LAYOUTS, LINEAR_CONTEXTS, LINEAR_REGIMES, LOSS_TERMS,
+                        MASKS, REGIMES, TOKEN_LAYOUTS, TOP_P, KernelCase, LinearCase, WrapperCase)
 
 TP_SIZES = (1, 2, 4)
 SEEDS = st.integers(0, 2**31 - 1)
@@ -26,6 +26,28 @@ def _chunk(draw, rows: int) -> int:
     if non_divisors:
         options.append(draw(st.sampled_from(non_divisors)))
     return draw(st.sampled_from(options))
+
+
+# The deep-accumulation regime: many row chunks (T 128-256, chunks of 1-2 rows: 64-256 chunks) at
+# small H and V_local, so it stays cheap. A dW summed over chunks in bf16/fp16 exceeds the bound by
+# 2-4x at 128-256 chunks on drifting data, and by at most 1.15x at 32 (scripts/deep_accumulation.py,
+# docs/tolerances.md); the shallow draws (T <= 24) make at most two dozen chunks. The regime is
+# drawn at TP 1 only: the error it looks for is each rank's own arithmetic, and at TP > 1 every chunk
+# pays its collectives (hundreds of them per case, seconds on a loaded CPU). The corpus holds one.
+DEEP_T = (128, 256)
+DEEP_CHUNKS = (1, 2)
+# About one TP-1 draw in this many is deep: the linear level, where dW sums over the chunks, more
+# often (it draws a fifth as many cases as the kernel level).
+DEEP_ONE_IN = {"kernel": 8, "linear": 4}
+
+
+def _deep(draw, tp: int, level: str) -> dict | None:
+    """The deep regime's T and chunk size, about one TP-1 draw in DEEP_ONE_IN (drawn last, so that
+    the other draws are unchanged), else None."""
+    one_in = DEEP_ONE_IN[level]
+    if tp != 1 or draw(st.integers(0, one_in - 1)) != one_in - 1:
+        return None
+    return dict(T=draw(st.integers(*DEEP_T)), chunk_size=draw(st.sampled_from(DEEP_CHUNKS)))
 
 
 def _mostly_first(options: tuple[str, ...]) -> st.SearchStrategy:
@@ -54,7 +76,7 @@ def kernel_cases(draw, tp=st.sampled_from(TP_SIZES), dtype=st.sampled_from(("fp3
     if not keep_mask:
         mask_options = MASKS[:1]
     with_entropy = entropy and draw(st.booleans())
-    return KernelCase(
+    case = KernelCase(
         tp=draw(tp), T=T, v_local=v_local, dtype=draw(dtype),
         regime=draw(st.sampled_from(REGIMES)),
         chunk_size=_chunk(draw, T),
@@ -67,6 +89,11 @@ def kernel_cases(draw, tp=st.sampled_from(TP_SIZES), dtype=st.sampled_from(("fp3
         dp=draw(dp),
         **_how_called(draw),
     )
+    deep = _deep(draw, case.tp, "kernel")
+    if deep is None:
+        return case
+    # Small rows, so that hundreds of chunks stay cheap; no keep mask or second call to pay for.
+    return case.replace(**deep, v_local=draw(st.integers(1, 4)), mask="none", context="train")
 
 
 @st.composite
@@ -109,7 +136,7 @@ def linear_cases(draw, tp=st.sampled_from(TP_SIZES), dtype=st.sampled_from(("fp3
     mask, and its cases run in one TP group."""
     T = draw(st.one_of(st.sampled_from((1, 2, 3, 5, 7, 11, 0)), st.integers(0, 24)))
     with_entropy = entropy and draw(st.booleans())
-    return LinearCase(
+    case = LinearCase(
         tp=draw(tp), T=T,
         H=draw(st.one_of(st.sampled_from((8, 1, 3, 16, 64)), st.integers(1, 64))),
         v_local=draw(st.one_of(st.sampled_from((4, 1, 3, 7, 32)), st.integers(1, 32))),
@@ -122,6 +149,16 @@ def linear_cases(draw, tp=st.sampled_from(TP_SIZES), dtype=st.sampled_from(("fp3
         loss_terms=draw(st.sampled_from(LOSS_TERMS)) if with_entropy else "both",
         seed=draw(SEEDS),
     )
+    # Drawn last, so the draws above are unchanged: one frozen input about one time in three (a
+    # frozen LM head or trunk), the second call on other inputs about one in four, the deep regime.
+    frozen = draw(_mostly_first(FROZEN))
+    case = case.replace(frozen=frozen if case.requires_grad else FROZEN[0],
+                        context=draw(st.one_of(st.just(LINEAR_CONTEXTS[0]), st.sampled_from(LINEAR_CONTEXTS))))
+    deep = _deep(draw, case.tp, "linear")
+    if deep is None:
+        return case
+    return case.replace(**deep, H=draw(st.integers(1, 16)), v_local=draw(st.integers(1, 8)), regime=DRIFT,
+                        context="train")
 
 
 LEVEL_STRATEGIES = {"kernel": kernel_cases, "wrapper": wrapper_cases, "linear": linear_cases}

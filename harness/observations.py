@@ -60,6 +60,9 @@ class Observation:
     grad_meta: Optional[TensorMeta] = None
     grad_hidden: Optional[torch.Tensor] = None  # linear level: this rank's gradient w.r.t. the hidden states
     grad_hidden_meta: Optional[TensorMeta] = None
+    # A two_inputs context: the second call's gradients w.r.t. its own inputs (`Case.second()`).
+    grad_2: Optional[torch.Tensor] = None
+    grad_hidden_2: Optional[torch.Tensor] = None
     integrity: list[str] = field(default_factory=list)  # problems with the caller's inputs after the call
     memory: dict[str, Any] = field(default_factory=dict)  # `meters.memory.Meter.figures`
     n_forward_collectives: Optional[int] = None  # wrapper: how many of the trace's collectives the forward issued

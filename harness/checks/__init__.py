@@ -44,12 +44,16 @@ class Evidence:
     def obs(self, rank: int = 0) -> Observation:
         return self.ranks[rank].obs
 
-    def expected_for(self, r: RankResult) -> oracle.Expected:
+    def expected_for(self, r: RankResult, second: bool = False) -> oracle.Expected:
         """What rank `r` must hold: the oracle of its DP replica's data (`Case.replica`), at CP > 1
-        sliced for its CP rank (`oracle.expected_on`). Replica 0 at CP rank 0 is `expected`."""
-        if not r.replica and getattr(self.case, "cp", 1) == 1:
+        sliced for its CP rank (`oracle.expected_on`); `second`: the second call's, in a two_inputs
+        context (`Case.second`). Replica 0 at CP rank 0, first call, is `expected`."""
+        case = self.case.replica(r.replica)
+        if second:
+            case = case.second()
+        elif not r.replica and getattr(self.case, "cp", 1) == 1:
             return self.expected
-        return oracle.expected_on(self.case.replica(r.replica), r.cp_rank)
+        return oracle.expected_on(case, r.cp_rank)
 
     def groups(self) -> list[list[RankResult]]:
         """The TP groups of the world (one per DP replica and CP rank), each in TP-rank order."""
@@ -58,11 +62,12 @@ class Evidence:
             out.setdefault((r.replica, r.cp_rank), []).append(r)
         return [sorted(g, key=lambda r: r.rank) for _, g in sorted(out.items())]
 
-    def full_grad(self, group: list[RankResult] | None = None) -> torch.Tensor | None:
+    def full_grad(self, group: list[RankResult] | None = None, second: bool = False) -> torch.Tensor | None:
         """The gradient assembled from the shards of one TP group (default: the first, replica 0 at
         CP rank 0), in rank order: the logits' [T, V] (shards along the vocab, the last dim; at CP > 1
-        that CP rank's local rows), or at the linear level the LM head's [V, H] (along the first)."""
-        shards = [r.obs.grad for r in (group if group is not None else self.groups()[0])]
+        that CP rank's local rows), or at the linear level the LM head's [V, H] (along the first).
+        `second`: the second call's, in a two_inputs context."""
+        shards = [r.obs.grad_2 if second else r.obs.grad for r in (group if group is not None else self.groups()[0])]
         if any(s is None for s in shards):
             return None
         return torch.cat(shards, dim=0 if self.case.level == "linear" else -1)
@@ -86,8 +91,8 @@ ExplainFn = Callable[[Evidence, Callable[[Case], Evidence]], str]
 # to a case in the training context but reads one of these says "not applied: why" instead.
 CONTEXT_LIMITS: dict[str, tuple[tuple[str, ...], str]] = {
     "autograd": (AUTOGRAD_OFF, "autograd is off, so there is no graph, gradient or retained memory to check"),
-    "call-memory": (("two_calls",), "one backward serves both calls, so one call's backward memory "
-                                    "cannot be told apart"),
+    "call-memory": (("two_calls", "two_inputs"), "one backward serves both calls, so one call's backward "
+                                                  "memory cannot be told apart"),
 }
 # What a check may read that a target may not let the harness measure: (capability, which cases,
 # why). A check that would apply but reads one of these says "not applied: why" instead.

@@ -40,31 +40,41 @@ def values(ev: Evidence) -> list[str]:
        explain=lambda ev, run: kernel_terms(ev, run, gradients))
 def gradients(ev: Evidence) -> list[str]:
     """The local gradient is the local slice of the oracle's gradient of sum(w1*lp) + sum(w2*H);
-    with two calls (accumulated microbatches, or two losses summed in one graph), the sum of both.
+    with two calls (accumulated microbatches, or two losses summed in one graph), the sum of both;
+    with two calls on different inputs in one graph (two_inputs), each call's inputs get their own.
     Linear level: the weight shard's gradient is its slice of the full head's, and every rank's
-    hidden-state gradient is the full one (all-reduced over the TP group). In every TP group of the
-    world, against the oracle of its DP replica's data."""
-    if ev.case.level != "linear":
-        problems = []
+    hidden-state gradient is the full one (all-reduced over the TP group); a frozen input gets None.
+    In every TP group of the world, against the oracle of its DP replica's data."""
+    problems = []
+    for second in ((False, True) if ev.case.context == "two_inputs" else (False,)):
         for group in ev.groups():
-            grad, exp, where = ev.full_grad(group), ev.expected_for(group[0]), group[0].group_name
-            if grad is None:
-                return [f"no gradient reached the logits{' (' + where + ')' if where else ''} "
-                        f"(log_prob is not differentiable)"]
-            problems += ev.compare(grad, exp.grad, exp.grad_tol, f"grad (all shards{', ' + where if where else ''})")
-        return problems
-    grad = ev.full_grad()
-    if grad is None:
-        return ["no gradient reached the weight shard (log_prob is not differentiable)"]
-    exp = ev.expected
-    # Column-parallel: every rank must hold the full gradient of the replicated hidden states.
-    problems = ev.compare(grad, exp.grad, exp.grad_tol, "weight grad (all shards)")
-    for r in ev.ranks:
-        if r.obs.grad_hidden is None:
-            problems.append(f"rank {r.rank}: no gradient reached the hidden states")
+            problems += _gradients(ev, group, second)
+    return problems
+
+
+def _gradients(ev: Evidence, group: list, second: bool) -> list[str]:
+    exp, where = ev.expected_for(group[0], second), group[0].group_name
+    call = (" (second call)" if second else "") + (f" ({where})" if where else "")
+    grad = ev.full_grad(group, second)
+    if ev.case.level != "linear":
+        if grad is None:
+            return [f"no gradient reached the logits{call} (log_prob is not differentiable)"]
+        return ev.compare(grad, exp.grad, exp.grad_tol, f"grad (all shards){call}")
+    problems = []
+    if exp.grad is not None:
+        if grad is None:
+            problems.append(f"no gradient reached the weight shard{call}")
         else:
-            problems += ev.compare(r.obs.grad_hidden, exp.grad_hidden, exp.grad_hidden_tol,
-                                   f"rank {r.rank} hidden grad")
+            problems += ev.compare(grad, exp.grad, exp.grad_tol, f"weight grad (all shards){call}")
+    if exp.grad_hidden is None:
+        return problems
+    # Column-parallel: every rank must hold the full gradient of the replicated hidden states.
+    for r in group:
+        got = r.obs.grad_hidden_2 if second else r.obs.grad_hidden
+        if got is None:
+            problems.append(f"rank {r.rank}: no gradient reached the hidden states{call}")
+        else:
+            problems += ev.compare(got, exp.grad_hidden, exp.grad_hidden_tol, f"rank {r.rank} hidden grad{call}")
     return problems
 
 

@@ -83,9 +83,9 @@ def coef_zero(ev: Evidence) -> list[str]:
 def chunk_passthrough(ev: Evidence) -> list[str]:
     """NeMo-RL #2871: args.log_probs_chunk_size reaches the kernel. The wrapper's retained and peak
     bytes match the target kernel's own at that chunk size on the same rows (temperature 1, no
-    top-p), within O(T); so they differ from the unchunked figures wherever the kernel's do."""
+    top-p), within O(T) and the wrapper's `allowance` (a contiguous copy of non-contiguous logits);
+    so they differ from the unchunked figures wherever the kernel's do."""
     c: WrapperCase = ev.case
-    allowed = memory.slack(c.T)
     problems = []
     for r in range(len(ev.ranks)):
         got, kernel = _mem(ev, r), ev.ranks[r].obs.kernel_pass
@@ -95,12 +95,16 @@ def chunk_passthrough(ev: Evidence) -> list[str]:
         for m in memory.METERS:
             if got.get(m) is None or chunked.get(m) is None:
                 continue
-            if abs(got[m] - chunked[m]) > allowed:
+            # The wrapper may spend its own allowance (a contiguous copy of transposed logits) on top
+            # of its kernel's figure, as memory-budget lets it; below it, only O(T).
+            allowed = memory.slack(c.T)
+            if got[m] - chunked[m] > allowed + allowance(c, m) or chunked[m] - got[m] > allowed:
                 like = " — the unchunked kernel's figure: log_probs_chunk_size ignored" \
                     if whole.get(m) is not None and abs(got[m] - whole[m]) <= allowed else ""
                 problems.append(
                     f"rank {r}: wrapper {m} {_fmt(got[m])}, its kernel at chunk_size={c.chunk_size} "
-                    f"{_fmt(chunked[m])}, unchunked {_fmt(whole.get(m) or 0)}; allowed ±{_fmt(allowed)}{like}. "
+                    f"{_fmt(chunked[m])}, unchunked {_fmt(whole.get(m) or 0)}; allowed {_fmt(allowed)} less, "
+                    f"{_fmt(allowed + allowance(c, m))} more (O(T) + the wrapper's allowance){like}. "
                     f"Excess: {_excess(got.get(f'{m}_tensors', []), chunked.get(f'{m}_tensors', []))}")
     return problems
 
@@ -128,30 +132,48 @@ def backward_frees(ev: Evidence) -> list[str]:
     return problems
 
 
-def wrapper_allowance(c: Any) -> float:
-    """Units of T*V_local*4 a wrapper case may add to the budget: dividing by a temperature
-    (which must not happen in place) materialises a float32 copy of the logits, which the kernel may
-    save as its input; top-p replay builds a bool keep mask. Any case: non-contiguous logits may be
-    copied to a contiguous buffer, which the kernel may save."""
-    copy = 1.0 if getattr(c, "layout", "contiguous") in NONCONTIGUOUS else 0.0
-    if not isinstance(c, WrapperCase):
-        return copy
-    return copy + (1.0 if c.temperature not in (None, 1.0) else 0.0) + (0.25 if c.top_p != "none" else 0.0)
+def allowance(c: Any, meter: str) -> int:
+    """Bytes a correct routine may spend on `meter` beyond its budget and the O(T) slack: the one
+    source every memory check reads (memory-budget, memory-chunk-passthrough, memory-linear-retained
+    and the report's table), so no two of them disagree about the same tensor (issue 24).
+
+    Kernel and wrapper: non-contiguous logits may be copied to a contiguous float32 buffer, which
+    the kernel may save (one T*V_local*4 unit); a wrapper's temperature divides out of place (a
+    float32 copy, which the kernel may save: one unit) and top-p replay builds a bool keep mask (a
+    quarter). Linear level (docs/fused-linear.md): a float32 copy of each input that is not float32
+    (hidden [T, H] and the weight shard [V_local, H]); beyond what the forward retains, each gradient
+    asked for (an input that requires grad) its float32 accumulator, one float32 product of that
+    size, and the result in the input's dtype. A frozen input's gradient gets nothing: a routine that
+    computes it anyway spends memory nobody asked for."""
+    if isinstance(c, LinearCase):
+        upcast = 0 if DTYPES[c.dtype] == DTYPES["fp32"] else 4 * c.H * (c.T + c.v_local)
+        if meter == "retained":
+            return upcast
+        per_entry = 8 + DTYPES[c.dtype].itemsize
+        asked = (c.T * c.H if c.hidden_grad else 0) + (c.v_local * c.H if c.weight_grad else 0)
+        return upcast + per_entry * asked
+    unit = memory.unit(c.T, c.v_local)
+    units = 1.0 if getattr(c, "layout", "contiguous") in NONCONTIGUOUS else 0.0
+    if isinstance(c, WrapperCase):
+        units += (1.0 if c.temperature not in (None, 1.0) else 0.0) + (0.25 if c.top_p != "none" else 0.0)
+    return int(units * unit)
 
 
-def budget_use(c: Any, nbytes: int) -> float:
+def budget_use(c: Any, nbytes: int, meter: str = "peak_backward") -> float:
     """A memory figure on the scale of HARNESS_MEMORY_BUDGET: multiples of T*V_local*4 bytes beyond
-    what every budget is given on top (the O(T) slack, and a wrapper case's allowance). The one rule
+    what every budget is given on top (the O(T) slack, and the case's `allowance`). The one rule
     of `memory-budget` and of the report's memory table: a figure fails when this exceeds its budget."""
-    return (nbytes - memory.budget_slack(c.T)) / memory.unit(c.T, c.v_local) - wrapper_allowance(c)
+    return (nbytes - memory.budget_slack(c.T) - allowance(c, meter)) / memory.unit(c.T, c.v_local)
 
 
-@check("memory-budget", applies=lambda c, t: c.T > 0 and bool(t.memory_budget), reads=("call-memory", "memory"))
+@check("memory-budget", levels=("kernel", "wrapper", "linear"), applies=lambda c, t: c.T > 0 and bool(t.memory_budget),
+       reads=("call-memory", "memory"))
 def budget(ev: Evidence) -> list[str]:
     """The target's declared HARNESS_MEMORY_BUDGET: each figure (retained, peak_forward,
-    peak_backward) at most its multiple of T*V_local*4 bytes plus O(T) (plus, for a wrapper, the
-    temperature copy and the keep mask); on CUDA the allocator's figures too, with 512 B of
-    allocator rounding per live storage."""
+    peak_backward) at most its multiple of T*V_local*4 bytes plus O(T) plus the case's `allowance`
+    (a wrapper's temperature copy and keep mask; at the linear level the input copies and the
+    gradients asked for, none for a frozen input); on CUDA the allocator's figures too, with 512 B
+    of allocator rounding per live storage."""
     c = ev.case
     unknown = sorted(set(ev.target.memory_budget) - set(memory.METERS))
     if unknown:
@@ -162,24 +184,23 @@ def budget(ev: Evidence) -> list[str]:
         m = _mem(ev, r)
         for meter, mult in ev.target.memory_budget.items():
             got = m.get(meter)
-            if got is not None and budget_use(c, got) > mult:
-                allowed = int((mult + wrapper_allowance(c)) * unit) + memory.budget_slack(c.T)
+            if got is not None and budget_use(c, got, meter) > mult:
+                allowed = int(mult * unit) + allowance(c, meter) + memory.budget_slack(c.T)
                 problems.append(f"rank {r}: {meter} {_fmt(got)} = {got / unit:.2f} x T*V_local*4, budget {mult} x "
                                 f"+ allowances = {_fmt(allowed)}. Largest: {_list(m.get(f'{meter}_tensors', []))}")
             cuda = m.get(f"cuda_{meter}")
-            if cuda is not None and budget_use(c, cuda - memory.CUDA_BLOCK * (m.get(f"{meter}_count") or 0)) > mult:
+            if cuda is not None and budget_use(c, cuda - memory.CUDA_BLOCK * (m.get(f"{meter}_count") or 0), meter) > mult:
                 problems.append(f"rank {r}: CUDA allocator {meter} {_fmt(cuda)} = {cuda / unit:.2f} x T*V_local*4, "
                                 f"above the budget of {mult} x (with {memory.CUDA_BLOCK} B rounding per storage)")
     return problems
 
 
 def linear_retained_allowance(c: LinearCase) -> int:
-    """What a fused-linear routine may retain after its forward beyond O(T) (docs/fused-linear.md):
-    a float32 copy of each input that is not float32 already (hidden [T, H] and its weight shard
-    [V_local, H]), i.e. O(T*H + V_local*H) bytes, and nothing [T, V_local]: the point of fusing the
-    head is that the logits are recomputed in backward, never kept."""
-    upcast = 0 if DTYPES[c.dtype] == DTYPES["fp32"] else 4 * c.H * (c.T + c.v_local)
-    return upcast + memory.budget_slack(c.T)
+    """What a fused-linear routine may retain after its forward (docs/fused-linear.md): its
+    `allowance` (a float32 copy of each input that is not float32 already, i.e. O(T*H + V_local*H)
+    bytes) plus O(T), and nothing [T, V_local]: the point of fusing the head is that the logits are
+    recomputed in backward, never kept."""
+    return allowance(c, "retained") + memory.budget_slack(c.T)
 
 
 @check("memory-linear-retained", levels=("linear",), applies=lambda c, t: c.T > 0 and c.grad_on, reads=("memory",))

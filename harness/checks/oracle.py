@@ -109,13 +109,16 @@ def _linear(case: LinearCase) -> Expected:
     grads = reference.linear_grads(inp.hidden, inp.weight, inp.tokens, w1, w2) if case.grad_on else None
     tol = linear_bounds(inp.hidden, inp.weight, inp.tokens, w1, w2, tp=case.tp, dtype=case.dtype) \
         if case.grad_on else linear_bounds(inp.hidden, inp.weight, inp.tokens, None, None, tp=case.tp)
+    # A frozen input gets no gradient: None expected (the other is unchanged: dh does not depend on
+    # whether dW is asked for, nor the reverse).
+    want_w, want_h = grads is not None and case.weight_grad, grads is not None and case.hidden_grad
     return Expected(
         log_prob=reference.linear_log_probs(inp.hidden, inp.weight, inp.tokens),
         entropy=reference.linear_entropy(inp.hidden, inp.weight) if case.with_entropy else None,
-        grad=grads[1] if grads else None, entropy_requires_grad=case.expects_entropy_grad,
+        grad=grads[1] if want_w else None, entropy_requires_grad=case.expects_entropy_grad,
         log_prob_tol=tol["log_prob"], entropy_tol=tol["entropy"] if case.with_entropy else None,
-        grad_tol=tol.get("grad_weight"), grad_hidden=grads[0] if grads else None,
-        grad_hidden_tol=tol.get("grad_hidden"),
+        grad_tol=tol.get("grad_weight") if want_w else None, grad_hidden=grads[0] if want_h else None,
+        grad_hidden_tol=tol.get("grad_hidden") if want_h else None,
     )
 
 

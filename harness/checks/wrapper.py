@@ -98,18 +98,20 @@ def top_p_replay(ev: Evidence) -> list[str]:
        explain=lambda ev, run: wrapper_terms(ev, run, wrapper_gradients))
 def wrapper_gradients(ev: Evidence) -> list[str]:
     """Gradient w.r.t. the raw logits shard, including the entropy term exactly when entropy_coef != 0;
-    in every TP group (each DP replica, each CP rank: the slice of the whole gradient on its rows)."""
+    in every TP group (each DP replica, each CP rank: the slice of the whole gradient on its rows); in a
+    two_inputs context, each call's logits get their own call's gradient."""
     problems = []
-    for group in ev.groups():
-        grad, exp = ev.full_grad(group), ev.expected_for(group[0])
-        where = group[0].group_name
-        what = f"grad (all shards{', ' + where if where else ''})"
-        if grad is None:
-            if exp.grad is not None and not exp.grad.any():
-                continue  # a CP rank whose rows the loss does not reach: None is its zero gradient
-            problems.append(f"no gradient reached the logits{' (' + where + ')' if where else ''}")
-            continue
-        problems += ev.compare(grad, exp.grad, exp.grad_tol, what)
+    for second in ((False, True) if ev.case.context == "two_inputs" else (False,)):
+        for group in ev.groups():
+            grad, exp = ev.full_grad(group, second), ev.expected_for(group[0], second)
+            where = group[0].group_name
+            call = (" (second call)" if second else "") + (f" ({where})" if where else "")
+            if grad is None:
+                if exp.grad is not None and not exp.grad.any():
+                    continue  # a CP rank whose rows the loss does not reach: None is its zero gradient
+                problems.append(f"no gradient reached the logits{call}")
+                continue
+            problems += ev.compare(grad, exp.grad, exp.grad_tol, f"grad (all shards){call}")
     return problems
 
 

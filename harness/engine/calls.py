@@ -180,7 +180,8 @@ class KernelShard:
 @dataclass(frozen=True)
 class LinearShard:
     """A fused-linear case's inputs on one rank: the hidden states (replicated), this rank's rows of
-    the LM head, the tokens, and the upstream loss. Both tensors are leaves the caller owns."""
+    the LM head, the tokens, and the upstream loss. Both tensors are leaves the caller owns; each
+    requires grad as the case says (`LinearCase.hidden_grad`, `weight_grad`: a frozen one does not)."""
     hidden: torch.Tensor
     weight: torch.Tensor
     tokens: torch.Tensor
@@ -191,8 +192,8 @@ class LinearShard:
     def of(cls, case: LinearCase, rank: int, device: torch.device) -> LinearShard:
         full = case.inputs()
         rows = slice(rank * case.v_local, (rank + 1) * case.v_local)
-        hidden = full.hidden.clone().to(device).requires_grad_(case.requires_grad)
-        weight = full.weight[rows].contiguous().to(device).requires_grad_(case.requires_grad)
+        hidden = full.hidden.clone().to(device).requires_grad_(case.hidden_grad)
+        weight = full.weight[rows].contiguous().to(device).requires_grad_(case.weight_grad)
         return cls(hidden, weight, full.tokens.to(device), full.w_log_prob, full.w_entropy)
 
     def call(self, target: Target, case: LinearCase, group: Any) -> tuple[Any, Any]:

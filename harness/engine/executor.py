@@ -83,6 +83,7 @@ def run_kernel(case: KernelCase, target: Target, rank: int, group: Any, device: 
     runs in the case's context; a two-call context's second call is outside the memory meter's
     forward (and, accumulating, its backward too), so the figures stay those of one call."""
     inp = KernelShard.of(case, rank, device)
+    other = KernelShard.of(case.second(), rank, device) if case.context == "two_inputs" else None
     integrity = _Integrity(logits=inp.logits, tokens=inp.tokens, log_prob_keep_mask=inp.keep_mask)
     meter = Meter((inp.logits, inp.tokens, inp.keep_mask), device, metered(target))
     with grad_context(case.context):
@@ -90,10 +91,14 @@ def run_kernel(case: KernelCase, target: Target, rank: int, group: Any, device: 
         loss = inp.loss(log_prob, entropy)
         if case.context == "two_calls":  # the same logits through a second call, one graph
             loss = loss + inp.loss(*inp.call(target, case, group), second=True)
+        if other is not None:  # other logits and tokens through a second call, one graph
+            loss = loss + other.loss(*other.call(target, case, group))
     if isinstance(loss, torch.Tensor) and loss.requires_grad:
         with meter.backward():
             loss.backward()
         meter.gradients(inp.grad())
+        if other is not None:
+            obs.grad_2 = _detached(other.grad())
         if case.context == "accumulate":  # a second microbatch into the same .grad
             loss = inp.loss(*inp.again().call(target, case, group), second=True)
             if isinstance(loss, torch.Tensor) and loss.requires_grad:
@@ -123,16 +128,22 @@ def training_kernel(case: KernelCase, target: Target, rank: int, group: Any, dev
 def run_linear(case: LinearCase, target: Target, rank: int, group: Any, device: torch.device,
                obs: Observation) -> None:
     """A fused-linear call on the training path: outputs, flags, both gradients (the hidden states'
-    and this rank's weight shard's), input integrity and memory, as `run_kernel` records them."""
+    and this rank's weight shard's; None for a frozen one), input integrity and memory, as
+    `run_kernel` records them; in a two_inputs context, the second call's gradients too."""
     inp = LinearShard.of(case, rank, device)
+    other = LinearShard.of(case.second(), rank, device) if case.context == "two_inputs" else None
     integrity = _Integrity(hidden=inp.hidden, weight=inp.weight, tokens=inp.tokens)
     meter = Meter((inp.hidden, inp.weight, inp.tokens), device, metered(target))
     log_prob, entropy = _observed_call(inp, target, case, group, meter, integrity, obs)
     loss = inp.loss(log_prob, entropy)
+    if other is not None:  # another batch of hidden states (and head) through a second call, one graph
+        loss = loss + other.loss(*other.call(target, case, group))
     if isinstance(loss, torch.Tensor) and loss.requires_grad:
         with meter.backward():
             loss.backward()
         meter.gradients(inp.weight.grad, inp.hidden.grad)
+        if other is not None:
+            obs.grad_2, obs.grad_hidden_2 = _detached(other.weight.grad), _detached(other.hidden.grad)
         obs.grad, obs.grad_meta = _detached(inp.weight.grad), TensorMeta.of(inp.weight.grad)
         obs.grad_hidden, obs.grad_hidden_meta = _detached(inp.hidden.grad), TensorMeta.of(inp.hidden.grad)
         obs.integrity += integrity.problems("backward")
@@ -216,10 +227,16 @@ def run_wrapper(case: WrapperCase, target: Target, rank: int, device: torch.devi
         loss = call.loss(log_probs, entropy)
         if case.context == "two_calls":
             loss = loss + call.loss(*call(), second=True)
+        other = _WrapperCall(case.second(), target, rank, device, cp_rank=cp_rank) if case.context == "two_inputs" \
+            else None
+        if other is not None:  # another batch through a second call, one graph
+            loss = loss + other.loss(*other())
     if isinstance(loss, torch.Tensor) and loss.requires_grad:
         with meter.backward():
             loss.backward()
         meter.gradients(call.grad())
+        if other is not None:
+            obs.grad_2 = _detached(other.grad())
         if case.context == "accumulate":
             call.logits = view_of(call.source, case.layout).unsqueeze(0)  # the next microbatch's forward
             loss = call.loss(*call(), second=True)

@@ -76,7 +76,7 @@ def memory_by_config(executed: list[Evidence], budget: dict[str, float]) -> dict
             got = [f[meter] for f in figures if f.get(meter) is not None]
             if not got:
                 continue
-            value = max(0.0, budget_use(case, max(got)))
+            value = max(0.0, budget_use(case, max(got), meter))
             if value >= row["worst"].get(meter, {"value": -1.0})["value"]:
                 row["worst"][meter] = {"value": round(value, 4), "case": case.spec()}
     if not configs:

@@ -12,7 +12,8 @@ it computes itself. Forward, per chunk ``[s, e)`` (all float32):
 differentiable): O(T) beyond the inputs, never a ``[T, V_local]`` buffer. Backward recomputes each
 chunk's logits and softmax, forms the logit gradient ``G``, and accumulates ``dh = G W`` (all-reduced
 over the TP group afterwards: every rank holds the full gradient, as Megatron's column-parallel
-backward does) and ``dW = G^T h`` for the local shard, in float32, rounded once to the inputs' dtypes.
+backward does) and ``dW = G^T h`` for the local shard, in float32, rounded once to the inputs' dtypes;
+only the gradients asked for (a frozen input, one that requires no grad, costs nothing).
 
 Like the kernel routine, every concern is a method, so a mutant overrides exactly one
 (`harness/targets/mutants/linear.py`). The steps here are a mixin: the statistics and collectives
@@ -116,11 +117,13 @@ class FusedLinearSteps:
         num_rows, v_local = hidden.shape[0], weight.shape[0]
         f32 = self.compute_dtype(hidden)
         w32 = self.upcast(weight)
-        grad_hidden = torch.zeros(num_rows, hidden.shape[1], dtype=f32, device=hidden.device)
-        grad_weight = torch.zeros(v_local, weight.shape[1], dtype=f32, device=weight.device)
+        # Only the gradients asked for are computed (a frozen LM head or trunk costs nothing). Which
+        # ones are asked for is the same on every rank, so the collectives still match.
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.zeros(num_rows, hidden.shape[1], dtype=f32, device=hidden.device) if need_h else None
+        grad_weight = torch.zeros(v_local, weight.shape[1], dtype=f32, device=weight.device) if need_w else None
         w1 = grad_log_prob.reshape(-1).to(f32)
         for s, e in self.chunk_bounds(num_rows, ctx.chunk_size):
-            h = self.upcast(hidden[s:e])
             x = self.chunk_logits(hidden[s:e], w32)
             p = self.recompute_p(x, lse[s:e])
             local = self.grad_targets(tokens[s:e], ctx.start)
@@ -128,13 +131,13 @@ class FusedLinearSteps:
             if ent is not None and grad_entropy is not None:
                 log_p = x - lse[s:e].unsqueeze(-1)
                 g = g + grad_entropy[s:e].to(f32).unsqueeze(-1) * self.entropy_grad_term(p, log_p, ent[s:e])
-            grad_hidden[s:e] = g @ w32
-            self.accumulate_weight_grad(grad_weight, g, h)
-        # Every rank reduces, whatever it needs: the collectives must match across the group.
-        grad_hidden = self.reduce_grad_hidden(grad_hidden, ctx.group)
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        return (self.cast_grad(grad_hidden, hidden.dtype) if need_h else None,
-                self.cast_grad(grad_weight, weight.dtype) if need_w else None)
+            if grad_hidden is not None:
+                grad_hidden[s:e] = g @ w32
+            if grad_weight is not None:
+                self.accumulate_weight_grad(grad_weight, g, self.upcast(hidden[s:e]))
+        if grad_hidden is not None:  # each rank's partial sum over its shard, reduced over the TP group
+            grad_hidden = self.cast_grad(self.reduce_grad_hidden(grad_hidden, ctx.group), hidden.dtype)
+        return grad_hidden, None if grad_weight is None else self.cast_grad(grad_weight, weight.dtype)
 
     # ------------------------------------------------------------------ the linear level's entry point
     def calculate_linear_log_probs_and_entropy(self, hidden: torch.Tensor, weight: torch.Tensor,

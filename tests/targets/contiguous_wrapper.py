@@ -1,0 +1,19 @@
+"""A correct routine whose wrapper makes the logits contiguous before its kernel runs, as slime's
+does (`logits.contiguous()`): on transposed logits that is a float32 copy, the wrapper's memory
+allowance (`harness.checks.memory.allowance`). Issue 24's false finding: `memory-chunk-passthrough`
+failed it while `memory-budget` allowed the copy."""
+from __future__ import annotations
+
+from harness.targets.fused import HARNESS_MEMORY_BUDGET, FusedLogProbEntropy
+
+__all__ = ["HARNESS_MEMORY_BUDGET", "calculate_log_probs_and_entropy", "get_log_probs_and_entropy"]
+
+
+class _ContiguousWrapper(FusedLogProbEntropy):
+    def get_log_probs_and_entropy(self, logits, **kwargs):
+        return super().get_log_probs_and_entropy(logits.contiguous(), **kwargs)
+
+
+ROUTINE = _ContiguousWrapper()
+calculate_log_probs_and_entropy = ROUTINE.calculate_log_probs_and_entropy
+get_log_probs_and_entropy = ROUTINE.get_log_probs_and_entropy
