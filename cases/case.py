@@ -378,6 +378,7 @@ LINEAR_REGIMES = ("normal", "peaked", "wide")
 # non-zero mean and loss weights of one sign (SFT's mean NLL, a response's GRPO advantage), so the
 # terms of dW = sum_t G_t^T h_t drift over the rows instead of cancelling (docs/tolerances.md).
 DRIFT = "drift"
+LINEAR_CASE_REGIMES = LINEAR_REGIMES + (DRIFT,)  # every regime a linear case may name
 # The spread of the logits hidden @ weight.T per regime: O(1) to O(10), as a trained LM head's are.
 _LINEAR_SCALE = {"normal": 2.0, "peaked": 2.0, "wide": 8.0, DRIFT: 2.0}
 _LINEAR_SPIKE = 14.0  # a peaked row's confident logit stands this far above the rest (cf. `_logits`)
@@ -405,7 +406,7 @@ class LinearCase(_CaseBase):
     H: int
     v_local: int
     dtype: str = choice("fp32", DTYPES)
-    regime: str = choice("normal", LINEAR_REGIMES + (DRIFT,))
+    regime: str = choice("normal", LINEAR_CASE_REGIMES)
     chunk_size: int = -1
     with_entropy: bool = True
     with_entropy_grad: bool = True
