@@ -183,8 +183,10 @@ def run_all(git: Git, todo: list[Commit], ns: argparse.Namespace, workdir: Path)
 
 def history_rows(commits_: list[Commit], outcomes: dict[str, Outcome]) -> list[dict[str, Any]]:
     """One row per commit: its cells (`report.matrix`'s), each marked `introduced` where the family
-    fails after passing (or on the first commit checked) and `fixed` where it passes after failing."""
-    rows, failing = [], {}
+    fails after passing, `failing` where it fails on the first commit checked (it may be older), and
+    `fixed` where it passes after failing."""
+    rows: list[dict[str, Any]] = []
+    failing: dict[str, bool] = {}
     for c in commits_:
         outcome = outcomes[c.same_as or c.sha]
         row = {"sha": c.sha, "short": c.short, "date": c.date, "subject": c.subject, "same_as": c.same_as,
@@ -199,7 +201,9 @@ def history_rows(commits_: list[Commit], outcomes: dict[str, Outcome]) -> list[d
                     row["cells"][fam] = cell
                     continue
                 fails = cell["state"] in ("finding", "known")
-                if fails and not failing.get(fam):
+                if fails and fam not in failing:
+                    cell["mark"] = "failing"
+                elif fails and not failing[fam]:
                     cell["mark"] = "introduced"
                 elif not fails and failing.get(fam):
                     cell["mark"] = "fixed"
@@ -210,13 +214,15 @@ def history_rows(commits_: list[Commit], outcomes: dict[str, Outcome]) -> list[d
 
 
 def transitions(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """Per family, each stretch of failing commits: where it came in and where it was fixed (or None)."""
+    """Per family, each stretch of failing commits: where it came in (or that it already failed at the
+    first commit checked) and where it was fixed (or None)."""
     out: list[dict[str, Any]] = []
     open_: dict[str, dict[str, Any]] = {}
     for row in rows:
         for fam, cell in row["cells"].items():
-            if cell.get("mark") == "introduced":
+            if cell.get("mark") in ("introduced", "failing"):
                 open_[fam] = {"family": fam, "introduced": row["short"], "fixed": None,
+                              "already_at_first": cell["mark"] == "failing",
                               "check": cell.get("check"), "repro": cell.get("repro")}
                 out.append(open_[fam])
             elif cell.get("mark") == "fixed" and fam in open_:
@@ -225,7 +231,8 @@ def transitions(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
 
 
 def cell_text(cell: dict[str, Any]) -> str:
-    mark = {"introduced": "FAILS FROM HERE: ", "fixed": "FIXED HERE: "}.get(cell.get("mark", ""), "")
+    mark = {"introduced": "FAILS FROM HERE: ", "failing": "FAILS ALREADY: ",
+            "fixed": "FIXED HERE: "}.get(cell.get("mark", ""), "")
     return mark + matrix.cell_text(cell)
 
 
@@ -251,7 +258,8 @@ def render_markdown(h: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(_md([f"`{row['short']}`", row["date"], row["subject"][:60], result, *cells])) + " |")
     lines += ["", "| family | brought in by | fixed by | first finding's repro |", "|---|---|---|---|"]
     for t in h["transitions"]:
-        lines.append("| " + " | ".join(_md([t["family"], f"`{t['introduced']}`", f"`{t['fixed']}`" if t["fixed"]
+        came = f"`{t['introduced']}`" + (" (already at the first commit checked)" if t["already_at_first"] else "")
+        lines.append("| " + " | ".join(_md([t["family"], came, f"`{t['fixed']}`" if t["fixed"]
                                             else "not fixed", f"`{t['repro']}`" if t["repro"] else "-"])) + " |")
     return "\n".join(lines) + "\n"
 
