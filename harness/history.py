@@ -120,7 +120,8 @@ def check_command(ns: argparse.Namespace, json_path: Path) -> list[str]:
     return cmd
 
 
-def check_commit(git: Git, commit: Commit, ns: argparse.Namespace, workdir: Path) -> Outcome:
+def check_commit(git: Git, commit: Commit, ns: argparse.Namespace, workdir: Path,
+                 running: set[subprocess.Popen]) -> Outcome:
     """`harness check` on one commit's tree, in its own process (session), stopped after
     `--commit-timeout` seconds: SIGTERM, so that it writes what it found, then SIGKILL."""
     tree = workdir / commit.short
@@ -136,11 +137,14 @@ def check_commit(git: Git, commit: Commit, ns: argparse.Namespace, workdir: Path
     with open(workdir / f"{commit.short}.log", "w+") as log:
         proc = subprocess.Popen(check_command(ns, out), cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
+        running.add(proc)
         try:
             code = proc.wait(timeout=ns.commit_timeout)
             timed_out = False
         except subprocess.TimeoutExpired:
             timed_out, code = True, _stop(proc)
+        finally:
+            running.discard(proc)
         log.seek(0)
         tail = [line for line in log.read().splitlines() if line.strip()][-1:] or ["no output"]
     seconds = round(time.perf_counter() - start, 1)
@@ -154,6 +158,8 @@ def check_commit(git: Git, commit: Commit, ns: argparse.Namespace, workdir: Path
 
 
 def _stop(proc: subprocess.Popen) -> int:
+    if proc.poll() is not None:
+        return proc.returncode
     os.killpg(proc.pid, signal.SIGTERM)
     try:
         return proc.wait(timeout=STOP_GRACE_S)
@@ -165,9 +171,11 @@ def _stop(proc: subprocess.Popen) -> int:
 def run_all(git: Git, todo: list[Commit], ns: argparse.Namespace, workdir: Path) -> dict[str, Outcome]:
     """Each commit's outcome, `--jobs` at a time, with a progress line per commit done."""
     outcomes: dict[str, Outcome] = {}
+    running: set[subprocess.Popen] = set()
     start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=ns.jobs) as workers:
-        futures = {workers.submit(check_commit, git, c, ns, workdir): c for c in todo}
+    workers = ThreadPoolExecutor(max_workers=ns.jobs)
+    futures = {workers.submit(check_commit, git, c, ns, workdir, running): c for c in todo}
+    try:
         for done, future in enumerate(as_completed(futures), 1):
             commit = futures[future]
             outcome = outcomes[commit.sha] = future.result()
@@ -178,6 +186,12 @@ def run_all(git: Git, todo: list[Commit], ns: argparse.Namespace, workdir: Path)
             print(f"[history] commit {done} of {len(todo)}: {commit.short} {commit.subject[:50]}: {what} "
                   f"({outcome.seconds:.0f}s); elapsed {elapsed:.0f}s, about {left:.0f}s left",
                   file=sys.stderr, flush=True)
+    except BaseException:  # Ctrl-C, SIGTERM: the checks run in sessions of their own, stop them too
+        workers.shutdown(wait=False, cancel_futures=True)
+        for proc in list(running):
+            _stop(proc)
+        raise
+    workers.shutdown()
     return outcomes
 
 

@@ -7,7 +7,7 @@ namespace by name. A module provides the kernel, the wrapper, the fused-linear r
 (docs/fused-linear.md), or any of them, under the contract's names. Optional module attributes describe it further:
 
 - `HARNESS_CAPABILITIES`: dict overriding `{"entropy": True, "keep_mask": True,
-  "metric_only_entropy": True, "cpu": True, "eager": True, "tensor_parallel": True}` for a routine
+  "metric_only_entropy": True, "top_p": True, "cpu": True, "eager": True, "tensor_parallel": True}` for a routine
   that computes no entropy, takes no keep mask or ignores `with_entropy_grad=False` (cases needing
   it are fitted to what it does, and the summary says so: `cases.capabilities`); that runs only on
   CUDA (`"cpu": False`: a CPU run refuses it with that reason, a pytest session skips it); that is
@@ -17,6 +17,10 @@ namespace by name. A module provides the kernel, the wrapper, the fused-linear r
   (`"tensor_parallel": False`: the memory checks say "not applied" there: the gather's cost is the
   adapter's);
 - `HARNESS_MEMORY_BUDGET`: dict of retained/peak budgets as multiples of `T * V_local * 4` bytes.
+
+A routine older than the contract's newest parameters (no `with_entropy_grad`, no top-p arguments)
+is called without them, and the capability that this means is inferred false (`CONTRACTS`,
+docs/history.md); a level that the contract cannot call at all is left out (`not_checked`).
 """
 from __future__ import annotations
 
