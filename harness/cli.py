@@ -19,13 +19,13 @@ from typing import Any
 
 from cases.case import parse_case
 from cases.profiles import PROFILES
-from harness import mutate, options, peer_matrix, perf_gate
+from harness import history, mutate, options, peer_matrix, perf_gate
 from harness.checks import listing
 from harness.engine import pool, torchrun
 from harness.engine.explorer import explore, plan, run_corpus
 from harness.engine.limits import RunLimits
 from harness.engine.runner import Runner
-from harness.errors import HarnessError, UsageError
+from harness.errors import HarnessError, TargetError, UsageError
 from harness.findings import Finding
 from harness.options import RunConfig
 from harness.report import render, trend
@@ -119,7 +119,8 @@ def result_json(runner: Runner, findings: list[Finding], elapsed: float, extra: 
                                              "margins_by_group": st.margins_by_group, "not_applied": st.not_applied}
     return {
         "target": runner.target.spec, "levels": list(runner.target.levels),
-        "capabilities": runner.target.capabilities, "cases_run": runner.cases_run,
+        "capabilities": runner.target.capabilities, "inferred_capabilities": runner.target.inferred,
+        "not_checked": runner.target.not_checked, "cases_run": runner.cases_run,
         "elapsed_s": round(elapsed, 3), "case_seconds": round(runner.run_seconds, 3),
         "cases_per_s": round(runner.cases_run / runner.run_seconds, 2) if runner.run_seconds else None,
         "findings": [f.to_json() for f in findings], "checks": checks,
@@ -153,7 +154,7 @@ def known_summary(runner: Runner) -> str:
 # the JSON-ready result (findings added by earlier features included).
 CHECK_FEATURES = (perf_gate, render)  # the report renders the others' results: keep it last
 # Modules that add a subcommand: each has `register(subparsers)`.
-SUBCOMMANDS = (mutate, trend, listing, peer_matrix)
+SUBCOMMANDS = (mutate, trend, listing, peer_matrix, history)
 
 
 @torchrun.serving  # under torchrun: rank 0 runs the check on the launched ranks
@@ -172,6 +173,8 @@ def cmd_check(ns: argparse.Namespace, cfg: RunConfig) -> int:
             for feature, ok in sorted(runner.target.capabilities.items()):
                 if not ok:
                     say(f"target provides no {feature}: cases needing it are not drawn")
+            for note in runner.target.fit_notes():
+                say(note)
             findings = run_corpus(runner, cfg.tp, say, limits=limits)
             for level, tps, n, dp, cp in plan(profile, runner.target.levels, cfg.tp, torchrun.active(), cfg.cp):
                 if limits.reached():
@@ -206,6 +209,8 @@ def cmd_check(ns: argparse.Namespace, cfg: RunConfig) -> int:
               f"{len(findings)} finding(s) so far{written}", file=sys.stderr)
         return 128 + int(interrupted)
     print(summary_table(runner, findings))
+    for note in runner.target.fit_notes():
+        print(note)
     if cfg.bitwise:
         print("\n" + bitwise_table(runner))
     rate = runner.cases_run / runner.run_seconds if runner.run_seconds else 0.0
@@ -225,12 +230,26 @@ def cmd_check(ns: argparse.Namespace, cfg: RunConfig) -> int:
     return 1 if findings or known_fail else 0
 
 
+# `repro`'s exit status when the target cannot be tested (not importable, no routine of the case's
+# level that the contract can call): `git bisect run` skips such a commit instead of blaming it.
+UNTESTABLE = 125
+
+
 def cmd_repro(ns: argparse.Namespace, cfg: RunConfig) -> int:
     try:
         case = parse_case(ns.case)
     except (ValueError, TypeError) as e:
         raise UsageError(f"{e} (`python -m harness fields` lists every field and its values)") from None
-    runner = Runner.for_run(cfg)
+    try:
+        runner = Runner.for_run(cfg)
+    except TargetError as e:
+        print(f"harness: untestable: {e}", file=sys.stderr)
+        return UNTESTABLE
+    if case.level not in runner.target.levels:
+        runner.close()
+        why = runner.target.not_checked.get(case.level, f"{cfg.target} has no {case.level} routine")
+        print(f"harness: untestable: {why}", file=sys.stderr)
+        return UNTESTABLE
     try:
         _, findings = runner.check(case)
         runner.explain(findings)
@@ -257,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     for feature in CHECK_FEATURES:
         feature.add_arguments(check)
     check.set_defaults(func=cmd_check)
-    repro = sub.add_parser("repro", help="re-run exactly one case (as printed in a finding)")
+    repro = sub.add_parser("repro", help="re-run exactly one case (as printed in a finding); exit 0 pass, "
+                                         f"1 fail, {UNTESTABLE} untestable target (for `git bisect run`)")
     options.add_argparse(repro, ("target", "device", "collective_timeout", "case_timeout", "bitwise"))
     repro.add_argument("case", help="case spec, e.g. 'kernel:tp=2,T=5,v_local=4,...'")
     repro.set_defaults(func=cmd_repro)

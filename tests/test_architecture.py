@@ -21,7 +21,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("harness.checks", "harness.findings", "harness.known"),
     ("harness.engine.runner", "harness.engine.limits", "harness.engine.explorer"),
     ("harness.perf_gate", "harness.report"),
-    ("harness.mutate", "harness.peer_matrix"),
+    ("harness.mutate", "harness.peer_matrix", "harness.history"),
     ("harness.cli", "harness.plugin", "harness.__main__", "harness.conformance"),
 )
 

@@ -155,9 +155,9 @@ class KernelShard:
                    full.w_log_prob, full.w_entropy, source, case.layout, full.w_log_prob_2, full.w_entropy_2)
 
     def call(self, target: Target, case: KernelCase, group: Any) -> tuple[Any, Any]:
-        return target.kernel(self.logits, self.tokens, group, with_entropy=case.with_entropy,
-                             chunk_size=case.chunk_size, log_prob_keep_mask=self.keep_mask,
-                             with_entropy_grad=case.with_entropy_grad)
+        return target.kernel(self.logits, self.tokens, group, **target.kwargs(
+            "kernel", with_entropy=case.with_entropy, chunk_size=case.chunk_size, log_prob_keep_mask=self.keep_mask,
+            with_entropy_grad=case.with_entropy_grad))
 
     def loss(self, log_prob: Any, entropy: Any, second: bool = False) -> Any:
         device = self.logits.device
@@ -197,8 +197,9 @@ class LinearShard:
         return cls(hidden, weight, full.tokens.to(device), full.w_log_prob, full.w_entropy)
 
     def call(self, target: Target, case: LinearCase, group: Any) -> tuple[Any, Any]:
-        return target.linear(self.hidden, self.weight, self.tokens, group, with_entropy=case.with_entropy,
-                             chunk_size=case.chunk_size, with_entropy_grad=case.with_entropy_grad)
+        return target.linear(self.hidden, self.weight, self.tokens, group, **target.kwargs(
+            "linear", with_entropy=case.with_entropy, chunk_size=case.chunk_size,
+            with_entropy_grad=case.with_entropy_grad))
 
     def loss(self, log_prob: Any, entropy: Any) -> Any:
         device = self.hidden.device

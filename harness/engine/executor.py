@@ -190,7 +190,8 @@ class _WrapperCall:
         _, res = self.target.wrapper(
             self.logits, args=c.args(), unconcat_tokens=self.tokens,
             total_lengths=list(c.total_lengths), response_lengths=list(c.response_lengths),
-            with_entropy=c.with_entropy, top_p_token_ids=self.top_p_ids, top_p_token_offsets=self.top_p_offsets)
+            **self.target.kwargs("wrapper", with_entropy=c.with_entropy, top_p_token_ids=self.top_p_ids,
+                                 top_p_token_offsets=self.top_p_offsets))
         return list(res.get("log_probs", [])), res.get("entropy")
 
     def loss(self, log_probs: list, entropy: Any, second: bool = False) -> Any:
@@ -270,9 +271,9 @@ def kernel_pass(case: WrapperCase, target: Target, values: torch.Tensor, device:
         source, logits = laid_out(values.detach().clone(), case.layout, True)
         meter = Meter((logits, tokens), device, metered(target))
         with trace.recording() as events, meter.forward():
-            log_prob, entropy = target.kernel(logits, tokens, tp_group(), with_entropy=case.with_entropy,
-                                              chunk_size=chunk, log_prob_keep_mask=None,
-                                              with_entropy_grad=case.expects_entropy_grad)
+            log_prob, entropy = target.kernel(logits, tokens, tp_group(), **target.kwargs(
+                "kernel", with_entropy=case.with_entropy, chunk_size=chunk, log_prob_keep_mask=None,
+                with_entropy_grad=case.expects_entropy_grad))
         out.traces[chunk] = list(events)
         meter.outputs(log_prob, entropy)
         loss = _response_loss(case, log_prob, full.w_log_probs, device)

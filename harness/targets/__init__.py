@@ -8,7 +8,7 @@ namespace by name. A module provides the kernel, the wrapper, the fused-linear r
 (docs/fused-linear.md), or any of them, under the contract's names. Optional module attributes describe it further:
 
 - `HARNESS_CAPABILITIES`: dict overriding `{"entropy": True, "keep_mask": True,
-  "metric_only_entropy": True, "cpu": True, "eager": True, "tensor_parallel": True}` for a routine
+  "metric_only_entropy": True, "top_p": True, "cpu": True, "eager": True, "tensor_parallel": True}` for a routine
   that computes no entropy, takes no keep mask or ignores `with_entropy_grad=False` (cases needing
   it are fitted to what it does, and the summary says so: `cases.capabilities`); that runs only on
   CUDA (`"cpu": False`: a CPU run refuses it with that reason, a pytest session skips it); that is
@@ -18,6 +18,10 @@ namespace by name. A module provides the kernel, the wrapper, the fused-linear r
   (`"tensor_parallel": False`: the memory checks say "not applied" there: the gather's cost is the
   adapter's);
 - `HARNESS_MEMORY_BUDGET`: dict of retained/peak budgets as multiples of `T * V_local * 4` bytes.
+
+A routine older than the contract's newest parameters (no `with_entropy_grad`, no top-p arguments)
+is called without them, and the capability that this means is inferred false (`CONTRACTS`,
+docs/history.md); a level that the contract cannot call at all is left out (`not_checked`).
 """
 from __future__ import annotations
 
@@ -39,11 +43,6 @@ WRAPPER = "get_log_probs_and_entropy"
 LINEAR = "calculate_linear_log_probs_and_entropy"
 DEFAULT_TARGET = "harness.targets.fused"
 
-_KERNEL_CALL = ((None, None, None), dict(with_entropy=False, chunk_size=-1, log_prob_keep_mask=None, with_entropy_grad=True))
-_WRAPPER_CALL = ((None,), dict(args=None, unconcat_tokens=None, total_lengths=None, response_lengths=None,
-                               with_entropy=False, non_loss_data=True, top_p_token_ids=None, top_p_token_offsets=None))
-_LINEAR_CALL = ((None, None, None, None), dict(with_entropy=False, chunk_size=-1, with_entropy_grad=True))
-
 
 @dataclass
 class Target:
@@ -53,6 +52,9 @@ class Target:
     capabilities: dict[str, bool] = field(default_factory=dict)
     memory_budget: dict[str, float] = field(default_factory=dict)
     linear: Callable | None = None  # the fused-linear level (docs/fused-linear.md)
+    inferred: dict[str, bool] = field(default_factory=dict)  # capabilities read off the signatures
+    not_checked: dict[str, str] = field(default_factory=dict)  # level -> why its routine cannot be called
+    omitted: dict[str, frozenset[str]] = field(default_factory=dict)  # level -> contract parameters it lacks
 
     @property
     def levels(self) -> tuple[str, ...]:
@@ -62,6 +64,19 @@ class Target:
     def supports(self, feature: str) -> bool:
         return self.capabilities.get(feature, True)
 
+    def kwargs(self, level: str, **kw: Any) -> dict[str, Any]:
+        """The contract's keyword arguments for a call at `level`, less those the routine does not take."""
+        left_out = self.omitted.get(level, frozenset())
+        return {k: v for k, v in kw.items() if k not in left_out}
+
+    def fit_notes(self) -> list[str]:
+        """What the signatures told: capabilities inferred from parameters a routine lacks, and levels
+        that cannot be called at all (left unchecked)."""
+        notes = [f"{lvl}: called without {', '.join(sorted(params))} (not in its signature): "
+                 f"{', '.join(sorted({CONTRACTS[lvl].optional[p] for p in params}))} inferred False"
+                 for lvl, params in self.omitted.items() if params]
+        return notes + [f"{lvl}: not checked: {why}" for lvl, why in self.not_checked.items()]
+
     def unavailable(self, device: str) -> str | None:
         """Why this target cannot run on `device`, or None."""
         if device == "cpu" and not self.supports("cpu"):
@@ -69,27 +84,108 @@ class Target:
         return None
 
 
-def _check_signature(spec: str, name: str, fn: Any, call: tuple) -> None:
+@dataclass(frozen=True)
+class Contract:
+    """A level's signature as the contract writes it: `positional` are passed by position, `keywords`
+    by name (a default of `REQUIRED`: no default). `optional` maps a parameter that older routines
+    lack to the capability that lacking it means: such a routine is called without it, and cases
+    that need it are fitted away (`cases.capabilities`)."""
+    name: str
+    positional: tuple[str, ...]
+    keywords: dict[str, Any]
+    keyword_only: bool = False
+    optional: dict[str, str] = field(default_factory=dict)
+
+    def signature(self) -> inspect.Signature:
+        kind = inspect.Parameter.KEYWORD_ONLY if self.keyword_only else inspect.Parameter.POSITIONAL_OR_KEYWORD
+        return inspect.Signature(
+            [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in self.positional]
+            + [inspect.Parameter(k, kind, **({} if d is REQUIRED else {"default": d})) for k, d in self.keywords.items()])
+
+    def bind(self, fn: Any, omitted: frozenset[str] = frozenset()) -> None:
+        inspect.signature(fn).bind(*self.positional, **{k: k for k in self.keywords if k not in omitted})
+
+
+REQUIRED = inspect.Parameter.empty
+CONTRACTS = {
+    "kernel": Contract(KERNEL, ("logits", "tokens", "tp_group"),
+                       dict(with_entropy=False, chunk_size=-1, log_prob_keep_mask=None, with_entropy_grad=True),
+                       optional={"with_entropy_grad": "metric_only_entropy", "log_prob_keep_mask": "keep_mask"}),
+    "wrapper": Contract(WRAPPER, ("logits",),
+                        dict(args=REQUIRED, unconcat_tokens=REQUIRED, total_lengths=REQUIRED, response_lengths=REQUIRED,
+                             with_entropy=False, non_loss_data=True, top_p_token_ids=None, top_p_token_offsets=None),
+                        keyword_only=True, optional={"top_p_token_ids": "top_p", "top_p_token_offsets": "top_p"}),
+    "linear": Contract(LINEAR, ("hidden", "weight", "tokens", "tp_group"),
+                       dict(with_entropy=False, chunk_size=-1, with_entropy_grad=True),
+                       optional={"with_entropy_grad": "metric_only_entropy"}),
+}
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """How a routine's signature meets its level's contract: the optional parameters it lacks and the
+    capabilities that this makes false, or why it cannot be called at all (`refused`)."""
+    omitted: frozenset[str] = frozenset()
+    inferred: dict[str, bool] = field(default_factory=dict)
+    refused: str | None = None
+
+
+def fit_signature(spec: str, level: str, fn: Any) -> Fitted:
+    """Bind the contract's call to `fn`, leaving out the optional parameters that it does not take."""
+    contract = CONTRACTS[level]
     if not callable(fn):
-        raise TargetError(f"{spec}.{name} is not callable")
+        return Fitted(refused=f"{spec}.{contract.name} is not callable")
     try:
-        inspect.signature(fn).bind(*call[0], **call[1])
-    except TypeError as e:
-        raise TargetError(f"{spec}.{name}{inspect.signature(fn)} does not match the contract: {e}") from None
+        params = inspect.signature(fn).parameters
     except ValueError:  # builtins without a signature: nothing to check
-        pass
+        return Fitted()
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    omitted = frozenset(p for p in contract.optional if p not in params and not takes_any)
+    try:
+        contract.bind(fn, omitted)
+    except TypeError as e:
+        return Fitted(refused=mismatch(spec, contract, fn, e))
+    return Fitted(omitted, {contract.optional[p]: False for p in sorted(omitted)})
+
+
+def mismatch(spec: str, contract: Contract, fn: Any, error: TypeError) -> str:
+    """One line: the given signature next to the expected one, and which parameter is missing or extra."""
+    params = inspect.signature(fn).parameters
+    expected = (*contract.positional, *contract.keywords)
+    named = {p.name for p in params.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    missing = [p for p in expected if p not in named and p not in contract.optional]
+    extra = [p.name for p in params.values() if p.name not in expected and p.default is p.empty
+             and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    why = "; ".join([*([f"missing {', '.join(missing)}"] if missing else []),
+                     *([f"extra required {', '.join(extra)}"] if extra else [])]) or str(error)
+    return (f"{spec}.{contract.name}{inspect.signature(fn)} does not match the contract "
+            f"{contract.name}{contract.signature()}: {why}")
 
 
 def from_namespace(spec: str, ns: ModuleType | Any) -> Target:
-    kernel, wrapper, linear = getattr(ns, KERNEL, None), getattr(ns, WRAPPER, None), getattr(ns, LINEAR, None)
-    if kernel is None and wrapper is None and linear is None:
+    """The target of a module or namespace. A level whose routine lacks an optional parameter runs
+    without it (the capability it means is inferred false); a level that cannot be called at all is
+    left out and listed in `not_checked`, unless no level is left."""
+    fns = {lvl: getattr(ns, c.name, None) for lvl, c in CONTRACTS.items()}
+    if all(fn is None for fn in fns.values()):
         raise TargetError(f"{spec} defines neither {KERNEL} nor {WRAPPER} (nor {LINEAR})")
-    for name, fn, call in ((KERNEL, kernel, _KERNEL_CALL), (WRAPPER, wrapper, _WRAPPER_CALL),
-                           (LINEAR, linear, _LINEAR_CALL)):
-        if fn is not None:
-            _check_signature(spec, name, fn, call)
-    return Target(spec, kernel, wrapper, dict(getattr(ns, "HARNESS_CAPABILITIES", {})),
-                  dict(getattr(ns, "HARNESS_MEMORY_BUDGET", {})), linear)
+    inferred: dict[str, bool] = {}
+    omitted: dict[str, frozenset[str]] = {}
+    not_checked: dict[str, str] = {}
+    for lvl, fn in fns.items():
+        if fn is None:
+            continue
+        fitted = fit_signature(spec, lvl, fn)
+        if fitted.refused:
+            not_checked[lvl], fns[lvl] = fitted.refused, None
+            continue
+        omitted[lvl] = fitted.omitted
+        inferred.update(fitted.inferred)
+    if all(fn is None for fn in fns.values()):
+        raise TargetError("; ".join(not_checked.values()))
+    declared = dict(getattr(ns, "HARNESS_CAPABILITIES", {}))
+    return Target(spec, fns["kernel"], fns["wrapper"], {**declared, **inferred},
+                  dict(getattr(ns, "HARNESS_MEMORY_BUDGET", {})), fns["linear"], inferred, not_checked, omitted)
 
 
 _cache: dict[str, Target] = {}

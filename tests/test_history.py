@@ -1,0 +1,162 @@
+"""`harness history` and `harness repro` for `git bisect run` on a repository built here (three
+versions of a tiny routine module: clean, a mutant's defect, the fix), and the capabilities read off
+the signatures of routines older than the contract (docs/history.md)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from harness.cli import UNTESTABLE, main
+from harness.errors import TargetError
+from harness.targets import from_namespace
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+
+# A kernel older than `with_entropy_grad`; its defective version is a mutant's (wrong entropy-gradient sign).
+ROUTINE = '''from harness.targets.mutants import mutant_namespace
+
+_routine = mutant_namespace({mutant!r}) if {mutant!r} else None
+from harness.targets import fused
+
+
+def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
+                                    log_prob_keep_mask=None):
+    kernel = (_routine or fused).calculate_log_probs_and_entropy
+    return kernel(logits, tokens, tp_group, with_entropy=with_entropy, chunk_size=chunk_size,
+                  log_prob_keep_mask=log_prob_keep_mask)
+'''
+# A case the defect fails (entropy in the loss, logits requiring grad).
+CASE = ("kernel:tp=1,T=6,v_local=5,dtype=fp32,regime=normal,chunk_size=-1,mask=none,with_entropy=1,"
+        "with_entropy_grad=1,requires_grad=1,loss_terms=both,seed=1822")
+
+
+def _git(repo: Path, *args: str) -> str:
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
+               GIT_COMMITTER_EMAIL="t@t")
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True,
+                          env=env, timeout=60).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """clean -> defect -> an unrelated commit -> fix (the clean file again); their shas by name."""
+    path = tmp_path_factory.mktemp("routine-repo")
+    _git(path, "init", "-q")
+    shas = {}
+    for name, file, text in (("clean", "lp.py", ROUTINE.format(mutant="")),
+                             ("defect", "lp.py", ROUTINE.format(mutant="entropy-grad-sign")),
+                             ("readme", "README", "not the routine\n"),
+                             ("fix", "lp.py", ROUTINE.format(mutant=""))):
+        (path / file).write_text(text)
+        _git(path, "add", file)
+        _git(path, "commit", "-q", "-m", name)
+        shas[name] = _git(path, "rev-parse", "HEAD")
+    return path, shas
+
+
+def test_history_finds_the_defect_and_the_fix(repo, tmp_path, capsys):
+    path, shas = repo
+    out = tmp_path / "out"
+    assert main(["history", str(path), "--target", "lp", "--profile", "smoke", "--tp", "1", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    h = json.loads((out / "history.json").read_text())
+    assert [r["subject"] for r in h["rows"]] == ["clean", "defect", "fix"]  # the README commit touches no target file
+    clean, defect, fix = h["rows"]
+    assert fix["same_as"] == shas["clean"] and h["checked"] == 2  # the fix repeats the clean file: not run again
+    assert all(r["inferred"] == {"metric_only_entropy": False} for r in h["rows"])
+    assert clean["cells"]["gradients"]["state"] == "pass" and defect["cells"]["gradients"]["state"] == "finding"
+    assert {"family": "gradients", "introduced": shas["defect"][:10], "fixed": shas["fix"][:10]}.items() \
+        <= h["transitions"][0].items()
+    assert f"| `{shas['defect'][:10]}` |" in table and "FAILS FROM HERE" in table and "FIXED HERE" in table
+    assert (out / f"{shas['defect'][:10]}.json").exists() and (out / "history.html").exists()
+
+
+@pytest.mark.slow
+def test_git_bisect_run_names_the_defect_commit(repo, tmp_path):
+    path, shas = repo
+    work = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(path), str(work)], check=True, timeout=60)
+    _git(work, "bisect", "start", shas["readme"], shas["clean"])
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    run = subprocess.run(["git", "bisect", "run", sys.executable, "-m", "harness", "repro", "--target", "lp", CASE],
+                         cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert f"{shas['defect']} is the first bad commit" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("target, case", [
+    ("tests.broken.bad_signature", CASE),  # the contract cannot call it
+    ("tests.broken.import_error", CASE),  # not importable
+    ("mutant:linear-bf16-matmul", "wrapper:tp=1,v_local=5,total_lengths=3,response_lengths=2"),  # no such level
+])
+def test_repro_exits_125_when_the_target_is_untestable(target, case, capsys):
+    assert main(["repro", "--target", target, case]) == UNTESTABLE
+    assert "untestable" in capsys.readouterr().err
+
+
+def _kernel_without(*params: str):
+    names = ["logits", "tokens", "tp_group", "with_entropy=False", "chunk_size=-1", "log_prob_keep_mask=None",
+             "with_entropy_grad=True"]
+    kept = [n for n in names if n.partition("=")[0] not in params]
+    scope: dict = {}
+    exec(f"def calculate_log_probs_and_entropy({', '.join(kept)}):\n    return None, None", scope)
+    return scope["calculate_log_probs_and_entropy"]
+
+
+def _wrapper(logits, *, args, unconcat_tokens, total_lengths, response_lengths, with_entropy=False,
+             non_loss_data=True):
+    return None, {}
+
+
+def test_capabilities_inferred_from_the_signatures():
+    t = from_namespace("old", SimpleNamespace(calculate_log_probs_and_entropy=_kernel_without("with_entropy_grad"),
+                                              get_log_probs_and_entropy=_wrapper))
+    assert t.levels == ("kernel", "wrapper")
+    assert t.inferred == {"metric_only_entropy": False, "top_p": False}
+    assert not t.supports("metric_only_entropy") and not t.supports("top_p") and t.supports("keep_mask")
+    assert t.kwargs("kernel", with_entropy=True, with_entropy_grad=True) == {"with_entropy": True}
+    assert t.kwargs("wrapper", with_entropy=True, top_p_token_ids=None) == {"with_entropy": True}
+    assert any("with_entropy_grad" in note and "metric_only_entropy inferred False" in note for note in t.fit_notes())
+
+
+def test_a_level_that_cannot_be_called_is_not_checked_and_the_others_run():
+    t = from_namespace("half", SimpleNamespace(calculate_log_probs_and_entropy=_kernel_without("tp_group"),
+                                               get_log_probs_and_entropy=_wrapper))
+    assert t.levels == ("wrapper",) and "missing tp_group" in t.not_checked["kernel"]
+    assert any(note.startswith("kernel: not checked:") for note in t.fit_notes())
+
+
+def test_contract_error_shows_both_signatures_and_the_missing_parameter():
+    with pytest.raises(TargetError) as e:
+        from_namespace("mine", SimpleNamespace(calculate_log_probs_and_entropy=_kernel_without("tp_group")))
+    msg = str(e.value)
+    assert "mine.calculate_log_probs_and_entropy(logits, tokens, with_entropy=False" in msg  # given
+    assert "contract calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False" in msg  # expected
+    assert msg.endswith("missing tp_group") and "\n" not in msg
+    extra = lambda logits, tokens, tp_group, scale, with_entropy=False, chunk_size=-1: None  # noqa: E731
+    with pytest.raises(TargetError, match="extra required scale"):
+        from_namespace("mine", SimpleNamespace(calculate_log_probs_and_entropy=extra))
+
+
+SLIME = Path("/work/.mirror/THUDM+slime/repo")
+FIRST_FUSED = "6a0ee1588"  # slime PR #2144: the fused kernel, before with_entropy_grad (#2152)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SLIME.exists(), reason="slime's git mirror is not on this machine")
+def test_slime_first_fused_commit_is_checked_with_its_capability_inferred(tmp_path):
+    pytest.importorskip("httpx", reason="slime's modules import httpx")
+    out = tmp_path / "out"
+    assert main(["history", str(SLIME), "--target", "slime.backends.megatron_utils.loss", "--paths",
+                 "slime/utils/ppo_utils.py", "slime/backends/megatron_utils/loss.py", "--since", FIRST_FUSED,
+                 "--rev", FIRST_FUSED, "--profile", "smoke", "--tp", "1", "--out", str(out)]) == 0
+    (row,) = json.loads((out / "history.json").read_text())["rows"]
+    assert row["status"] == "checked" and row["inferred"] == {"metric_only_entropy": False}
+    assert row["levels"] == ["kernel", "wrapper"]
