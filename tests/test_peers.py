@@ -53,6 +53,10 @@ WITNESSES: dict[str, list[tuple[str, str]]] = {
     "verl_fused_linear": [("linear:tp=1,T=6,H=16,v_local=7,dtype=bf16,seed=3", "shapes-dtypes"),
                           ("linear:tp=1,T=6,H=64,v_local=7,dtype=fp16,regime=wide,chunk_size=9,seed=964", "values")],
     "cce": [("linear:tp=2,T=7,H=16,v_local=8,dtype=bf16,regime=wide,seed=7", "values")],
+    "nemo_rl": [("kernel:tp=2,T=5,v_local=4,with_entropy=0,seed=1,layout=transposed", "crash"),
+                ("wrapper:tp=1,v_local=3,total_lengths=3/6,response_lengths=2/2,temperature=1.3,with_entropy=0,"
+                 "layout=transposed", "crash"),
+                ("kernel:tp=1,T=0,v_local=4,with_entropy=0,chunk_size=2", "empty-input")],
     "trl": [("kernel:tp=2,T=6,v_local=5,regime=neginf,seed=1", "finite"),
             ("kernel:tp=1,T=4,v_local=8,dtype=bf16,seed=2", "shapes-dtypes"),
             ("kernel:tp=1,T=0,v_local=4", "empty-input")],
@@ -87,7 +91,7 @@ def _explained(runner: Runner, case) -> set[str]:
 def test_every_adapter_loads_and_declares_itself() -> None:
     """On any machine (peers imported lazily), with what `harness peers` needs to list it."""
     assert {"megatron", "megatron_fused", "verl", "verl_chunked", "trl", "liger", "verl_fused_linear", "cce",
-            "verl_linear_ce"} <= set(PEERS)
+            "verl_linear_ce", "nemo_rl"} <= set(PEERS)
     for peer in PEERS.values():
         target = load_target(peer.spec)
         assert target.levels and peer.upstream and peer.install and peer.summary
@@ -178,6 +182,47 @@ def test_megatron_float32_logits_are_overwritten(harness_pools) -> None:
         assert bool(findings) == mutated, dtype
         if mutated:
             assert "values changed after forward" in findings[0].message
+
+
+NEMO_RL = "harness.targets.peers.nemo_rl"
+
+
+def test_nemo_rl_declares_what_it_does_not_claim_and_how_to_enable_it() -> None:
+    """Loads without NeMo-RL (imported lazily); log-probs only, zigzag CP only; `harness peers`
+    says how to put a NeMo-RL tree on PYTHONPATH when it is absent."""
+    from dataclasses import replace
+
+    from harness.peer_matrix import _why_not
+    from harness.targets.peers.nemo_rl import calculate_log_probs_and_entropy, get_log_probs_and_entropy
+
+    target = load_target(NEMO_RL)
+    assert target.levels == ("kernel", "wrapper")
+    assert not any(target.supports(c) for c in ("entropy", "keep_mask", "allgather_cp"))
+    absent = replace(PEERS["nemo_rl"], requires=("nemo_rl_absent_for_this_test.distributed",))
+    assert "PYTHONPATH" in _why_not(absent, "cpu")
+    with pytest.raises(NotImplementedError, match="computes? no entropy"):
+        calculate_log_probs_and_entropy(None, None, None, with_entropy=True)
+    with pytest.raises(NotImplementedError, match="load-balanced"):
+        get_log_probs_and_entropy(None, args=SimpleNamespace(allgather_cp=True), unconcat_tokens=[],
+                                  total_lengths=[], response_lengths=[])
+
+
+@pytest.mark.distributed
+def test_nemo_rl_wrapper_gives_the_oracle_s_pieces(harness_pools) -> None:
+    """The packed wrapper through the adapter: right log-probs and gradients of every response, at
+    TP 1 and 2, chunked and not, with a temperature, a length-1 prompt and an empty response, on
+    the training path and under no_grad. Nothing at all is found on these contiguous inputs."""
+    from cases.case import WrapperCase
+
+    runner = _runner(harness_pools, "nemo_rl")
+    cases = [WrapperCase(tp=tp, v_local=5, total_lengths=lengths, response_lengths=responses, chunk_size=chunk,
+                         temperature=temp, with_entropy=False, context=context, seed=7 * tp + i)
+             for tp in (1, 2) for i, (lengths, responses, chunk, temp, context) in enumerate([
+                 ((6, 2, 9), (3, 1, 0), -1, None, "train"), ((5, 7), (4, 2), 3, 0.7, "train"),
+                 ((4, 3), (2, 2), 2, 1.3, "no_grad")])]
+    for case in cases:
+        _, findings = runner.check(case)
+        assert not findings and not runner.known_findings, case.spec()
 
 
 def test_matrix_cells_say_pass_known_new_and_why_not() -> None:

@@ -21,6 +21,7 @@ alone from a source tree on `PYTHONPATH` (`nemo_rl/__init__.py` needs no other p
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -36,6 +37,10 @@ HARNESS_PEER = dict(
     upstream=("nemo_rl.distributed.model_utils.from_parallel_logits_to_logprobs_packed_sequences",
               "nemo_rl.distributed.model_utils.DistributedLogprob",
               "nemo_rl.distributed.model_utils.ChunkedDistributedLogprob"))
+# NeMo-RL's log-softmax calls torch.distributed.nn.functional.all_reduce, which torch 2.13 deprecates
+# once per process: a notice about torch's API, not a finding, and not the check's output.
+warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_reduce is deprecated",
+                        category=FutureWarning)
 
 
 def _inference_only(logits: torch.Tensor) -> bool:
@@ -47,8 +52,6 @@ def _inference_only(logits: torch.Tensor) -> bool:
 def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
                                     log_prob_keep_mask=None, with_entropy_grad=True):
     """Level 1 kernel over NeMo-RL's TP log-prob functions: `(log_prob [T] float32, None)`."""
-    from nemo_rl.distributed.model_utils import ChunkedDistributedLogprob, DistributedLogprob
-
     if with_entropy:
         raise NotImplementedError("NeMo-RL's log-prob functions compute no entropy "
                                   "(HARNESS_CAPABILITIES['entropy'] is False)")
@@ -62,6 +65,8 @@ def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False
             raise RuntimeError("NeMo-RL's log-prob functions all-reduce over a process group: "
                                "initialise torch.distributed")
         tp_group = dist.group.WORLD
+    from nemo_rl.distributed.model_utils import ChunkedDistributedLogprob, DistributedLogprob
+
     v_local = logits.shape[1]
     start = dist.get_rank(tp_group) * v_local
     # [B, S, V_local] as NeMo-RL takes them: a view, so the caller's tensor is what NeMo-RL sees.
@@ -98,9 +103,6 @@ def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, r
                               top_p_token_offsets=None):
     """Level 2 wrapper over `from_parallel_logits_to_logprobs_packed_sequences`: TP and CP groups
     from megatron-core's `parallel_state`, as NeMo-RL's Megatron policy worker takes them."""
-    from megatron.core import parallel_state as mpu
-    from nemo_rl.distributed.model_utils import from_parallel_logits_to_logprobs_packed_sequences
-
     if with_entropy:
         raise NotImplementedError("NeMo-RL's packed log-probs compute no entropy "
                                   "(HARNESS_CAPABILITIES['entropy'] is False)")
@@ -112,12 +114,17 @@ def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, r
                                   "(HARNESS_CAPABILITIES['allgather_cp'] is False)")
     if logits.dim() != 3 or logits.shape[0] != 1:
         raise ValueError(f"logits must be [1, T, V_local], got {tuple(logits.shape)}")
+    from megatron.core import parallel_state as mpu
+    from nemo_rl.distributed.model_utils import from_parallel_logits_to_logprobs_packed_sequences
+
     tp_group = parallel_state_group(None, "NeMo-RL's Megatron policy worker")
     cp = mpu.get_context_parallel_world_size()
     cp_rank = mpu.get_context_parallel_rank()
     lengths = [int(n) for n in total_lengths]
     padded = [_padded(n, cp) for n in lengths]
     temperature = getattr(args, "rollout_temperature", None)
+    # NeMo-RL's worker divides its own model output in place (`logits.div_`); here the logits are
+    # the caller's, which the contract keeps intact, so the division is out of place.
     x = logits if temperature is None or float(temperature) == 1.0 else logits / float(temperature)
     target = _packed_targets(unconcat_tokens, lengths, padded, logits.device)
     cu_seqlens_padded = torch.tensor([0, *torch.tensor(padded, dtype=torch.long).cumsum(0).tolist()],
@@ -130,8 +137,10 @@ def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, r
         inference_only=_inference_only(logits), cp_group=mpu.get_context_parallel_group() if cp > 1 else None,
         chunk_size=int(chunk) if chunk is not None and int(chunk) > 0 else None)
     # out[i, j]: log p(token j + 1 of sequence i); its response rows are L - R - 1 .. L - 2.
-    pieces = [_zigzag_piece(out[i], n - int(r) - 1 if int(r) > 0 else n, n - 1 if int(r) > 0 else n, p, cp, cp_rank)
-              for i, (n, r, p) in enumerate(zip(lengths, response_lengths, padded))]
+    pieces = []
+    for i, (n, r, p) in enumerate(zip(lengths, response_lengths, padded)):
+        first, end = (n - int(r) - 1, n - 1) if int(r) > 0 else (0, 0)
+        pieces.append(_zigzag_piece(out[i], first, end, p, cp, cp_rank))
     return torch.empty(0, device=logits.device), {"log_probs": pieces}
 
 
