@@ -31,6 +31,8 @@ TOKEN_LAYOUTS = ("contiguous", "strided", "offset")  # int64 always; a view or a
 # calls, two backwards); two calls in one graph whose losses are summed (one backward).
 CONTEXTS = ("train", "no_grad", "inference_mode", "accumulate", "two_calls")
 AUTOGRAD_OFF = ("no_grad", "inference_mode")
+# Context parallelism (CONTRACT.md): how the packed sequence's rows are spread over the CP ranks.
+CP_LAYOUTS = ("zigzag", "allgather")
 TWO_CALLS = ("accumulate", "two_calls")
 
 
@@ -245,6 +247,10 @@ class WrapperCase(_CaseBase):
     token_layout: str = "contiguous"  # "offset"/"strided": every sample's tokens are a slice of one buffer
     context: str = "train"  # CONTEXTS
     repeat: int = 0  # the n-th identical run of the same call (determinism); changes no input
+    # Context parallelism: `cp` ranks share the packed sequence (laid out as `cp_layout` says); the
+    # world is TP x CP x DP. `T` stays the whole sequence's rows, drawn alike at every CP size.
+    cp: int = 1
+    cp_layout: str = "zigzag"  # CP_LAYOUTS
     level: ClassVar[str] = "wrapper"
 
     @property
@@ -263,7 +269,14 @@ class WrapperCase(_CaseBase):
 
     def group(self) -> str:
         dp = f"-dp{self.dp}" if self.dp > 1 else ""
-        return f"{self.level}-tp{self.tp}{dp}-{'topp' if self.top_p != 'none' else 'plain'}"
+        cp = f"-cp{self.cp}{self.cp_layout}" if self.cp > 1 else ""
+        return f"{self.level}-tp{self.tp}{cp}{dp}-{'topp' if self.top_p != 'none' else 'plain'}"
+
+    def cp_filler(self, cp_rank: int, rows: int) -> torch.Tensor:
+        """Finite float32 logits `[rows, V]` for CP rank `cp_rank`'s padding rows (no sample's row):
+        drawn from the seed, so every TP rank of that CP rank holds its shard of the same rows."""
+        g = _generator((self.seed * 31 + cp_rank + 1) % 2**31)
+        return torch.randn(rows, self.vocab, generator=g, dtype=torch.float64).to(torch.float32)
 
     @property
     def kernel_comparable(self) -> bool:
@@ -271,8 +284,12 @@ class WrapperCase(_CaseBase):
         should run them, for the chunk-size checks to compare with."""
         return self.chunk_size > 0 and self.top_p == "none" and self.T > 0
 
+    @property
+    def allgather_cp(self) -> bool:
+        return self.cp > 1 and self.cp_layout == "allgather"
+
     def args(self) -> SimpleNamespace:
-        args = SimpleNamespace(log_probs_chunk_size=self.chunk_size, allgather_cp=False)
+        args = SimpleNamespace(log_probs_chunk_size=self.chunk_size, allgather_cp=self.allgather_cp)
         if self.entropy_coef is not None:
             args.entropy_coef = self.entropy_coef
         if self.temperature is not None:
@@ -391,7 +408,8 @@ class LinearCase(_CaseBase):
 
 
 # Case fields that are left out of a spec at their default value (see `spec`).
-_LATER_FIELDS = frozenset({"dp", "layout", "token_layout", "context", "batch_of", "row_start", "repeat"})
+_LATER_FIELDS = frozenset({"dp", "layout", "token_layout", "context", "batch_of", "row_start", "repeat", "cp",
+                           "cp_layout"})
 
 CASE_TYPES: dict[str, type] = {"kernel": KernelCase, "wrapper": WrapperCase, "linear": LinearCase}
 Case = KernelCase | WrapperCase | LinearCase

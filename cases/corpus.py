@@ -82,6 +82,28 @@ CORPUS: tuple[Regression, ...] = (
                KernelCase(tp=2, T=6, v_local=5, context="two_calls", token_layout="strided", seed=144)),
     Regression("microbatch-accumulation", "caller: two microbatches accumulated into the same .grad",
                "wrapper-gradients", _w(entropy_coef=0.01, context="accumulate")),
+    # Context parallelism (docs/context-parallel.md): a rank holds its CP layout's rows of the sequence.
+    Regression("cp-absent-piece-autograd", "slime #2123: under all-gather CP a rank holding none of a sample's "
+               "response built its piece with requires_grad=True; with a metric-only entropy that piece carries "
+               "autograd history (and training hung)", "entropy-coef-rule",
+               _w(entropy_coef=0.0, cp=2, cp_layout="allgather")),
+    Regression("cp-zigzag-offsets", "slime #73/#1862: the zigzag offsets of a sample's two chunks and the length "
+               "of each CP slice of the log-probs", "wrapper-extraction",
+               _w(total_lengths=(8, 5), response_lengths=(6, 3), entropy_coef=0.01, cp=2)),
+    Regression("cp-allgather-redistribution", "all-gather CP: the response pieces are summed over the CP group "
+               "(not the TP group, not the world) and re-sliced to zigzag", "wrapper-extraction",
+               _w(total_lengths=(7, 5), response_lengths=(5, 3), cp=2, cp_layout="allgather")),
+    Regression("cp-top-p-zigzag", "CP: the top-p keep mask follows the zigzag rows", "top-p-replay",
+               _w(total_lengths=(7, 5), response_lengths=(5, 3), top_p="nucleus", cp=2)),
+    Regression("cp-top-p-allgather", "CP: the top-p keep mask follows the all-gather rows", "top-p-replay",
+               _w(total_lengths=(7, 5), response_lengths=(5, 3), top_p="partial", cp=2, cp_layout="allgather")),
+    Regression("cp-response-on-one-chunk", "CP: a response wholly on one rank's chunk; the other returns empty "
+               "pieces", "wrapper-extraction", _w(total_lengths=(8,), response_lengths=(1,), entropy_coef=0.5, cp=2)),
+    Regression("cp4-short-samples", "CP 4: samples shorter than 2 * cp, a prompt of 1, a response of 0",
+               "wrapper-extraction", WrapperCase(tp=1, v_local=5, total_lengths=(1, 2, 3, 9),
+                                                 response_lengths=(0, 1, 2, 8), entropy_coef=0.01, cp=4, seed=4)),
+    Regression("cp-no-grad-chunked", "CP: old-policy log-probs under no_grad, chunked, all-gather CP, top-p",
+               "inference-path", _w(top_p="partial", chunk_size=2, context="no_grad", cp=2, cp_layout="allgather")),
     # The fused-linear level (docs/fused-linear.md).
     Regression("linear-column-parallel-grad", "fused linear: the hidden states' gradient is a sum over every "
                "vocab shard, all-reduced so each rank holds all of it (Megatron's column-parallel backward)",

@@ -22,17 +22,24 @@ class Profile:
     # TP sizes added to those asked for (small cases: the strategies' shapes are small at any size).
     extra_tp: tuple[int, ...] = ()
     linear_cases: int = 0  # randomized fused-linear cases per TP size (docs/fused-linear.md)
+    # Context parallelism (docs/context-parallel.md): wrapper cases in TP x CP worlds, per CP size and
+    # TP size (the TP sizes among those asked for, or the smallest asked for); both CP layouts drawn.
+    cp_sizes: tuple[int, ...] = ()
+    cp_tp: tuple[int, ...] = (1, 2)
+    cp_wrapper_cases: int = 0
 
 
 PROFILES = {
     "smoke": Profile("smoke", kernel_cases=12, wrapper_cases=5, pytest_examples=4, linear_cases=4),
     "ci": Profile("ci", kernel_cases=150, wrapper_cases=40, pytest_examples=8,
-                  dp_tp=(2,), dp_kernel_cases=24, dp_wrapper_cases=6, linear_cases=30),
+                  dp_tp=(2,), dp_kernel_cases=24, dp_wrapper_cases=6, linear_cases=30,
+                  cp_sizes=(2,), cp_wrapper_cases=8),
     "dev": Profile("dev", kernel_cases=150, wrapper_cases=40, pytest_examples=15,
-                   dp_tp=(2,), dp_kernel_cases=24, dp_wrapper_cases=6, linear_cases=30),
+                   dp_tp=(2,), dp_kernel_cases=24, dp_wrapper_cases=6, linear_cases=30,
+                   cp_sizes=(2,), cp_wrapper_cases=8),
     "thorough": Profile("thorough", kernel_cases=2000, wrapper_cases=500, pytest_examples=100,
                         dp_tp=(2, 4), dp_kernel_cases=300, dp_wrapper_cases=80, extra_tp=(3, 8),
-                        linear_cases=400),
+                        linear_cases=400, cp_sizes=(2, 4), cp_wrapper_cases=60),
 }
 DEFAULT_PROFILE = "ci"
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from cases.case import (CONTEXTS, LAYOUTS, LINEAR_REGIMES, LOSS_TERMS, MASKS, REGIMES, TOKEN_LAYOUTS, TOP_P,
+from cases.case import (CONTEXTS, CP_LAYOUTS, LAYOUTS, LINEAR_REGIMES, LOSS_TERMS, MASKS, REGIMES, TOKEN_LAYOUTS, TOP_P,
                         KernelCase, LinearCase, WrapperCase)
 
 TP_SIZES = (1, 2, 4)
@@ -71,8 +71,9 @@ def kernel_cases(draw, tp=st.sampled_from(TP_SIZES), dtype=st.sampled_from(("fp3
 
 @st.composite
 def wrapper_cases(draw, tp=st.sampled_from(TP_SIZES), top_p: bool | None = None,
-                  entropy: bool = True, keep_mask: bool = True, dp=st.just(1)) -> WrapperCase:
-    """Level-2 cases: packed batches of 1-4 samples with responses of 0..L-1 tokens."""
+                  entropy: bool = True, keep_mask: bool = True, dp=st.just(1), cp=st.just(1)) -> WrapperCase:
+    """Level-2 cases: packed batches of 1-4 samples with responses of 0..L-1 tokens. `cp`: the
+    context-parallel size (drawn last, with its layout, so CP 1 draws are unchanged)."""
     n = draw(st.integers(1, 4))
     totals = tuple(draw(st.integers(1, 8)) for _ in range(n))
     responses = tuple(draw(st.integers(0, L - 1)) for L in totals)
@@ -91,7 +92,13 @@ def wrapper_cases(draw, tp=st.sampled_from(TP_SIZES), top_p: bool | None = None,
         seed=draw(SEEDS),
         dp=draw(dp),
         **_how_called(draw),
+        **_context_parallel(draw, cp),
     )
+
+
+def _context_parallel(draw, cp: st.SearchStrategy) -> dict:
+    size = draw(cp)
+    return dict(cp=size, cp_layout=draw(st.sampled_from(CP_LAYOUTS))) if size > 1 else {}
 
 
 @st.composite

@@ -139,12 +139,13 @@ def cmd_check(ns: argparse.Namespace, cfg: RunConfig) -> int:
                 if not ok:
                     say(f"target provides no {feature}: cases needing it are not drawn")
             findings = run_corpus(runner, cfg.tp, say, limits=limits)
-            for level, tps, n, dp in plan(profile, runner.target.levels, cfg.tp, torchrun.active()):
+            for level, tps, n, dp, cp in plan(profile, runner.target.levels, cfg.tp, torchrun.active(), cfg.cp):
                 if limits.reached():
                     break
-                say(f"{level}: {n} randomized cases over TP {tps}" + (f" inside a world of DP {dp} replicas" if dp > 1 else ""))
+                say(f"{level}: {n} randomized cases over TP {tps}" + (f" inside a world of DP {dp} replicas" if dp > 1 else "")
+                    + (f" with CP {cp} (zigzag and all-gather)" if cp > 1 else ""))
                 findings += explore(runner, level, tps, n, ns.seed, shrink=not ns.no_shrink, progress=say,
-                                    limits=limits, dp=dp)
+                                    limits=limits, dp=dp, cp=cp)
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: report what was found so far
             interrupted, findings = pool.interrupted_by() or signal.SIGINT, list(limits.found)
         findings = limits.final(findings)  # a hang reported once
@@ -211,8 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m harness", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="run the randomized conformance checks against a target")
-    options.add_argparse(check, ("target", "device", "collective_timeout", "case_timeout", "tp", "profile", "seed",
-                                 "known", "strict_known", "bitwise"))
+    options.add_argparse(check, ("target", "device", "collective_timeout", "case_timeout", "tp", "cp", "profile",
+                                 "seed", "known", "strict_known", "bitwise"))
     check.add_argument("--json", metavar="FILE", help="write the results as JSON")
     check.add_argument("--no-shrink", action="store_true", help="report failures without shrinking them")
     check.add_argument("-q", "--quiet", action="store_true", help="no progress lines")

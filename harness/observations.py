@@ -81,6 +81,21 @@ class RankResult:
     trace: list[Event] = field(default_factory=list)
     obs: Observation = field(default_factory=Observation)
     replica: int = 0  # the data-parallel replica whose TP group this rank is in (`rank` is the TP rank)
+    cp_rank: int = 0  # the context-parallel rank whose TP group this rank is in
+    groups: tuple[int, int] = (1, 1)  # (CP size, DP size) of the world: how many TP groups it has
+
+    @property
+    def group_name(self) -> str:
+        """Which TP group of the world this rank is in ("replica 1, cp 0"); "" in a world of one."""
+        cp, dp = self.groups
+        return ", ".join(([f"replica {self.replica}"] if dp > 1 else []) + ([f"cp {self.cp_rank}"] if cp > 1 else []))
+
+    @property
+    def name(self) -> str:
+        """The rank as messages name it: its TP rank and, where the world has more than one TP group,
+        which group: "rank 1 (cp 0, tp 1)", "rank 0 (replica 1, tp 0)"."""
+        group = self.group_name
+        return f"rank {self.rank} ({group}, tp {self.rank})" if group else f"rank {self.rank}"
 
     @classmethod
     def from_exception(cls, rank: int, e: BaseException) -> "RankResult":

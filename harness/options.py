@@ -26,6 +26,16 @@ def tp_list(text: str) -> list[int]:
     return sorted(set(sizes))
 
 
+def cp_list(text: str) -> list[int]:
+    try:
+        sizes = [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise UsageError(f"--cp takes comma-separated positive integers, got {text!r}") from None
+    if not sizes or any(s < 1 for s in sizes):
+        raise UsageError(f"--cp sizes must be positive integers, got {text!r}")
+    return sorted(set(sizes))
+
+
 def seed_value(text: str) -> int:
     try:
         value = int(text)
@@ -98,6 +108,8 @@ class Option:
 OPTIONS: dict[str, Option] = {o.dest: o for o in (
     Option("--target", "module (or mutant:NAME) under test", DEFAULT_TARGET),
     Option("--tp", "TP sizes, e.g. 1,2,4", [1, 2, 4], tp_list),
+    Option("--cp", "context-parallel sizes of the wrapper cases, e.g. 2,4 (default: the profile's for `check`, "
+           "none for pytest; 1: none)", None, cp_list),
     Option("--device", "cpu: gloo pools, fork; cuda: NCCL pools, spawn", "cpu", choices=("cpu", "cuda")),
     Option("--collective-timeout", "gloo/NCCL timeout of every collective, seconds: the backstop of a "
            "stuck collective (stuck ranks are found sooner, by evidence)", 20.0, positive_float, metavar="S"),
@@ -142,6 +154,7 @@ class RunConfig:
     known: str | None = None  # the --known file
     case_timeout_s: float | None = None
     bitwise: bool = False
+    cp: list[int] | None = None  # the --cp sizes; None: the profile's
 
     @classmethod
     def from_options(cls, get: Callable[[str], Any], pools: dict | None = None) -> "RunConfig":
@@ -153,5 +166,6 @@ class RunConfig:
             except ValueError:  # pytest's getoption, for an option this front end does not add
                 got = None
             return OPTIONS[name].default if got is None else got
+        cp = value("cp")
         return cls(value("target"), list(value("tp")), value("device"), value("collective_timeout"), pools,
-                   value("known"), value("case_timeout"), bool(value("bitwise")))
+                   value("known"), value("case_timeout"), bool(value("bitwise")), None if cp is None else list(cp))

@@ -23,7 +23,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     # The CLI's options, flags and validators; the profile defaults to the environment's (ci under
     # $CI, else dev) and the seed to Hypothesis's derandomized one.
     options.add_pytest(parser.getgroup("logprob-harness"),
-                       ("target", "tp", "device", "collective_timeout", "case_timeout", "profile", "seed", "known",
+                       ("target", "tp", "cp", "device", "collective_timeout", "case_timeout", "profile", "seed", "known",
                         "strict_known", "bitwise"),
                        profile=None, seed=None)
 
@@ -81,6 +81,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", f"{name}: {doc}")
     config.harness_profile = load_for_pytest(config.getoption("--profile"))
     config.harness_tp = list(config.getoption("tp"))
+    config.harness_cp = [cp for cp in (config.getoption("cp") or []) if cp > 1]
     if config.getoption("--device") == "cuda":
         import torch
 

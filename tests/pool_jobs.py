@@ -80,3 +80,14 @@ def tp_sum(ctx) -> float:
     t = torch.tensor([float(ctx.rank + 1)])
     dist.all_reduce(t, group=mpu.get_tensor_model_parallel_group())
     return t.item()
+
+
+def cp_layout(ctx) -> tuple[int, ...]:
+    """(world rank, TP rank, CP rank, DP rank, CP size, CP group size, the CP group's sum of world ranks)."""
+    from megatron.core import parallel_state as mpu
+
+    group = mpu.get_context_parallel_group()
+    t = torch.tensor([float(ctx.rank)])
+    dist.all_reduce(t, group=group)
+    return (ctx.rank, mpu.get_tensor_model_parallel_rank(), mpu.get_context_parallel_rank(), mpu.get_data_parallel_rank(),
+            mpu.get_context_parallel_world_size(), dist.get_world_size(group), int(t.item()))

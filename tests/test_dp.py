@@ -40,7 +40,8 @@ def test_builtin_routine_passes_inside_a_larger_world(harness_pools):
                              chunk_size=2, dp=2, seed=5)):
         ev, findings = runner.check(case)
         assert not findings, [f.message[:300] for f in findings]
-        assert [r.rank for r in ev.ranks] == [0, 1] and all(r.replica == 0 for r in ev.ranks)
+        # Every TP group is judged, each against the oracle of its own replica's data.
+        assert [(r.replica, r.rank) for r in ev.ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
 def test_world_group_reduce_passes_when_world_is_tp_and_fails_in_dp(harness_pools):
@@ -63,11 +64,11 @@ def test_world_group_reduce_is_killed_by_the_default_run(harness_pools):
 
 def test_ci_profile_explores_tp2_inside_a_world_of_4_and_thorough_beyond_4():
     steps = plan(PROFILES["ci"], ("kernel", "wrapper"), [1, 2, 4])
-    assert ("kernel", [2], PROFILES["ci"].dp_kernel_cases, 2) in steps
-    assert all(dp == 1 for *_, dp in steps[:2])
+    assert ("kernel", [2], PROFILES["ci"].dp_kernel_cases, 2, 1) in steps
+    assert all(dp == 1 for *_, dp, _cp in steps[:2])
     thorough = plan(PROFILES["thorough"], ("kernel",), [1, 2, 4])
     assert thorough[0][1] == [1, 2, 3, 4, 8]
-    assert plan(PROFILES["ci"], ("kernel",), [2], launched=True) == [("kernel", [2], PROFILES["ci"].kernel_cases, 1)]
+    assert plan(PROFILES["ci"], ("kernel",), [2], launched=True) == [("kernel", [2], PROFILES["ci"].kernel_cases, 1, 1)]
 
 
 @pytest.mark.parametrize("tp", [3, 8])

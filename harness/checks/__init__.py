@@ -44,10 +44,25 @@ class Evidence:
     def obs(self, rank: int = 0) -> Observation:
         return self.ranks[rank].obs
 
-    def full_grad(self) -> torch.Tensor | None:
-        """The gradient assembled from every rank's shard, in rank order: the logits' [T, V] (shards
-        along the vocab, the last dim), or at the linear level the LM head's [V, H] (along the first)."""
-        shards = [r.obs.grad for r in self.ranks]
+    def expected_for(self, r: RankResult) -> oracle.Expected:
+        """What rank `r` must hold: the oracle of its DP replica's data (`Case.replica`), at CP > 1
+        sliced for its CP rank (`oracle.expected_on`). Replica 0 at CP rank 0 is `expected`."""
+        if not r.replica and getattr(self.case, "cp", 1) == 1:
+            return self.expected
+        return oracle.expected_on(self.case.replica(r.replica), r.cp_rank)
+
+    def groups(self) -> list[list[RankResult]]:
+        """The TP groups of the world (one per DP replica and CP rank), each in TP-rank order."""
+        out: dict[tuple[int, int], list[RankResult]] = {}
+        for r in self.ranks:
+            out.setdefault((r.replica, r.cp_rank), []).append(r)
+        return [sorted(g, key=lambda r: r.rank) for _, g in sorted(out.items())]
+
+    def full_grad(self, group: list[RankResult] | None = None) -> torch.Tensor | None:
+        """The gradient assembled from the shards of one TP group (default: the first, replica 0 at
+        CP rank 0), in rank order: the logits' [T, V] (shards along the vocab, the last dim; at CP > 1
+        that CP rank's local rows), or at the linear level the LM head's [V, H] (along the first)."""
+        shards = [r.obs.grad for r in (group if group is not None else self.groups()[0])]
         if any(s is None for s in shards):
             return None
         return torch.cat(shards, dim=0 if self.case.level == "linear" else -1)
@@ -82,6 +97,15 @@ TARGET_LIMITS: dict[str, tuple[tuple[str, Callable[[Case], bool], str], ...]] = 
          "that costs is the adapter's, not the routine's (HARNESS_CAPABILITIES['tensor_parallel'] is False)"),
     ),
 }
+# What a check may read that a case's shape does not give it: (which cases, why). A check that would
+# apply but reads one of these says "not applied: why" instead.
+CASE_LIMITS: dict[str, tuple[Callable[[Case], bool], str]] = {
+    "memory": (lambda c: getattr(c, "cp", 1) > 1,
+               "CP > 1: a rank holds its CP layout's rows (padding included) and the all-gather redistribution's "
+               "buffers, not the T rows that the memory units, the O(T) slack and the budgets are sized by"),
+    "kernel-pass": (lambda c: getattr(c, "cp", 1) > 1,
+                    "CP > 1: the kernel comparison runs the whole sequence's rows, not a CP rank's"),
+}
 FAMILIES = ("default", "bitwise")  # bitwise: opt-in (`--bitwise`)
 CALL_LEVELS = ("kernel", "wrapper", "linear")  # checks of any call: it runs, returns, issues matched collectives
 
@@ -105,23 +129,31 @@ class Check:
         for what in self.reads:
             if what in CONTEXT_LIMITS and context in CONTEXT_LIMITS[what][0]:
                 return f"{context}: {CONTEXT_LIMITS[what][1]}"
+            if what in CASE_LIMITS and CASE_LIMITS[what][0](case):
+                return CASE_LIMITS[what][1]
             for capability, cases, why in TARGET_LIMITS.get(what, ()):
                 if not target.supports(capability) and cases(case):
                     return why
         return None
 
     def applicable(self, case: Case, target: Target) -> bool:
-        return case.level in self.levels and case.tp >= self.min_tp and self.applies(case, target) \
+        return case.level in self.levels and ranks(case) >= self.min_tp and self.applies(case, target) \
             and self.limit_note(case, target) is None
 
     def not_applied(self, case: Case, target: Target) -> str | None:
         """"not applied: why", for a case the check would apply to on the training path of a target
         that allows it to be measured, but cannot here; None when it applies, or would not apply anyway."""
         note = self.limit_note(case, target)
-        if note is None or case.level not in self.levels or case.tp < self.min_tp:
+        if note is None or case.level not in self.levels or ranks(case) < self.min_tp:
             return None
         train = case.replace(context="train") if getattr(case, "context", "train") != "train" else case
         return f"not applied: {note}" if self.applies(train, target) else None
+
+
+def ranks(case: Case) -> int:
+    """The ranks that share one case's sequence: its TP group, times its CP ranks. What `min_tp`
+    bounds (a check that compares ranks can fail at TP 1 once CP ranks share the work)."""
+    return case.tp * getattr(case, "cp", 1)
 
 
 REGISTRY: dict[str, Check] = {}
@@ -135,10 +167,10 @@ def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
     """Register a check. `needs`: the stage ("forward" or "backward") every rank must have completed
     for the check to have evidence (a rank that raised earlier is `crash`'s finding); None: always.
     `twin`: a second case the check compares against (run on its own pool), or None to skip.
-    `min_tp`: the smallest TP size at which the check can fail at all. `reads`: what of a call the
+    `min_tp`: the smallest TP size (times the CP size: `ranks`) at which the check can fail at all. `reads`: what of a call the
     check reads that some call contexts lack (CONTEXT_LIMITS). `family`: "bitwise" checks run only
     when asked for (`--bitwise`)."""
-    unknown = set(reads) - set(CONTEXT_LIMITS) - set(TARGET_LIMITS)
+    unknown = set(reads) - set(CONTEXT_LIMITS) - set(TARGET_LIMITS) - set(CASE_LIMITS)
     if unknown or family not in FAMILIES:
         raise ValueError(f"check {name!r}: unknown reads {sorted(unknown)} or family {family!r}")
 

@@ -8,13 +8,13 @@ from harness.observations import HANG_KINDS
 
 
 def _errors(ev: Evidence) -> list[str]:
-    return [f"rank {r.rank} {r.error_kind}: {r.error}" for r in ev.failed_ranks]
+    return [f"{r.name} {r.error_kind}: {r.error}" for r in ev.failed_ranks]
 
 
 @check("crash", levels=CALL_LEVELS, applies=lambda c, t: c.T > 0, needs=None)
 def crash(ev: Evidence) -> list[str]:
     """Every rank returns without raising or dying (a rank that never returns is `hang`'s)."""
-    return [f"rank {r.rank} {r.error_kind}: {r.error}" for r in ev.failed_ranks if r.error_kind not in HANG_KINDS]
+    return [f"{r.name} {r.error_kind}: {r.error}" for r in ev.failed_ranks if r.error_kind not in HANG_KINDS]
 
 
 @check("hang", levels=CALL_LEVELS, needs=None)
@@ -38,14 +38,30 @@ def empty_input(ev: Evidence) -> list[str]:
 
 @check("collectives", levels=CALL_LEVELS, needs=None, min_tp=2)
 def collectives(ev: Evidence) -> list[str]:
-    """Every rank issues the same sequence of collectives (op, group size, shape, dtype)."""
-    seqs = [r.trace for r in ev.ranks]
+    """Every rank issues the same sequence of collectives (op, group size, shape, dtype) as its TP
+    peers; at CP > 1 also the same collectives over groups of the CP size as its CP peers (the TP
+    groups are disjoint, so their data-dependent collectives may differ; when the TP and CP sizes
+    are equal the two cannot be told apart, and a CP peer's extra collective is `hang`'s finding)."""
+    problems = [p for group in ev.groups() for p in _diverge(group, lambda r: r.trace)]
+    cp = getattr(ev.case, "cp", 1)
+    if cp > 1 and cp != ev.case.tp:
+        peers: dict[tuple[int, int], list] = {}
+        for r in ev.ranks:
+            peers.setdefault((r.replica, r.rank), []).append(r)
+        for ranks in peers.values():
+            problems += _diverge(ranks, lambda r: [e for e in r.trace if e[1] == cp], f" over groups of {cp} ranks")
+    return problems
+
+
+def _diverge(ranks: list, trace, over: str = "") -> list[str]:
+    seqs = [trace(r) for r in ranks]
     if all(s == seqs[0] for s in seqs):
         return []
-    counts = ", ".join(f"rank {r} issued {len(s)}" for r, s in enumerate(seqs))
+    names = [r.name for r in ranks]
+    counts = ", ".join(f"{n} issued {len(s)}" for n, s in zip(names, seqs))
     first = next(i for i in range(max(map(len, seqs))) if len({tuple(s[i:i + 1]) for s in seqs}) > 1)
-    detail = "; ".join(f"rank {r}: {fmt_event(s[first]) if first < len(s) else 'nothing'}" for r, s in enumerate(seqs))
-    return [f"ranks diverge: {counts}; first difference at collective #{first + 1}: {detail}"]
+    detail = "; ".join(f"{n}: {fmt_event(s[first]) if first < len(s) else 'nothing'}" for n, s in zip(names, seqs))
+    return [f"ranks diverge{over}: {counts}; first difference at collective #{first + 1}: {detail}"]
 
 
 @check("inference-path", applies=lambda c, t: c.T > 0 and not c.autograd)
@@ -58,12 +74,12 @@ def inference_path(ev: Evidence) -> list[str]:
         if r.obs.training is None:
             continue
         lp, ent = r.obs.training
-        problems += bitwise_diff(r.obs.log_prob, lp, f"rank {r.rank} log_prob ({ev.case.context} vs training path)")
-        problems += bitwise_diff(r.obs.entropy, ent, f"rank {r.rank} entropy ({ev.case.context} vs training path)")
+        problems += bitwise_diff(r.obs.log_prob, lp, f"{r.name} log_prob ({ev.case.context} vs training path)")
+        problems += bitwise_diff(r.obs.entropy, ent, f"{r.name} entropy ({ev.case.context} vs training path)")
     return problems
 
 
 @check("input-integrity", levels=CALL_LEVELS, needs="forward")
 def input_integrity(ev: Evidence) -> list[str]:
     """Inputs keep their values and version counters through forward and backward."""
-    return [f"rank {r.rank}: {p}" for r in ev.ranks for p in r.obs.integrity]
+    return [f"{r.name}: {p}" for r in ev.ranks for p in r.obs.integrity]

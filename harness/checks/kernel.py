@@ -26,12 +26,12 @@ def _nonempty(c: KernelCase, t) -> bool:
 @check("values", levels=KERNEL, applies=_nonempty, needs="forward")
 def values(ev: Evidence) -> list[str]:
     """log-probs and entropy match the float64 oracle of the same input values, at float32 scale."""
-    exp = ev.expected
     problems = []
-    for r in ev.ranks:
-        problems += ev.compare(r.obs.log_prob, exp.log_prob, exp.log_prob_tol, f"rank {r.rank} log_prob")
+    for r in ev.ranks:  # every DP replica against the oracle of its own data
+        exp = ev.expected_for(r)
+        problems += ev.compare(r.obs.log_prob, exp.log_prob, exp.log_prob_tol, f"{r.name} log_prob")
         if exp.entropy is not None and r.obs.entropy is not None:
-            problems += ev.compare(r.obs.entropy, exp.entropy, exp.entropy_tol, f"rank {r.rank} entropy")
+            problems += ev.compare(r.obs.entropy, exp.entropy, exp.entropy_tol, f"{r.name} entropy")
     return problems
 
 
@@ -40,14 +40,21 @@ def gradients(ev: Evidence) -> list[str]:
     """The local gradient is the local slice of the oracle's gradient of sum(w1*lp) + sum(w2*H);
     with two calls (accumulated microbatches, or two losses summed in one graph), the sum of both.
     Linear level: the weight shard's gradient is its slice of the full head's, and every rank's
-    hidden-state gradient is the full one (all-reduced over the TP group)."""
+    hidden-state gradient is the full one (all-reduced over the TP group). In every TP group of the
+    world, against the oracle of its DP replica's data."""
+    if ev.case.level != "linear":
+        problems = []
+        for group in ev.groups():
+            grad, exp, where = ev.full_grad(group), ev.expected_for(group[0]), group[0].group_name
+            if grad is None:
+                return [f"no gradient reached the logits{' (' + where + ')' if where else ''} "
+                        f"(log_prob is not differentiable)"]
+            problems += ev.compare(grad, exp.grad, exp.grad_tol, f"grad (all shards{', ' + where if where else ''})")
+        return problems
     grad = ev.full_grad()
     if grad is None:
-        inputs = "the weight shard" if ev.case.level == "linear" else "the logits"
-        return [f"no gradient reached {inputs} (log_prob is not differentiable)"]
+        return ["no gradient reached the weight shard (log_prob is not differentiable)"]
     exp = ev.expected
-    if ev.case.level != "linear":
-        return ev.compare(grad, exp.grad, exp.grad_tol, "grad (all shards)")
     # Column-parallel: every rank must hold the full gradient of the replicated hidden states.
     problems = ev.compare(grad, exp.grad, exp.grad_tol, "weight grad (all shards)")
     for r in ev.ranks:

@@ -14,6 +14,7 @@ import torch
 
 import reference
 from cases.case import Case, KernelCase, LinearCase, WrapperCase
+from reference.cp import PAD, local_rows, response_positions
 from harness.checks.tolerance import grad_bound, linear_bounds, value_bounds
 
 PerSample = list[torch.Tensor]
@@ -39,6 +40,31 @@ def expected(case: Case) -> Expected:
     if isinstance(case, LinearCase):
         return _linear(case)
     return _wrapper(case)
+
+
+@functools.lru_cache(maxsize=512)
+def expected_on(case: Case, cp_rank: int = 0) -> Expected:
+    """What CP rank `cp_rank` of a case must hold, derived from the whole sequence's oracle: per
+    sample, the values at its response positions (reference.cp), and the gradient on its own local
+    rows (0 on padding rows). At CP 1, and for the kernel and linear levels, the oracle itself."""
+    full = expected(case)
+    if getattr(case, "cp", 1) == 1:
+        return full
+    positions = [torch.tensor(response_positions(L, R, case.cp, cp_rank), dtype=torch.int64)
+                 for L, R in zip(case.total_lengths, case.response_lengths)]
+    pick = lambda values: None if values is None else [v[p] for v, p in zip(values, positions)]  # noqa: E731
+    rows = torch.tensor(local_rows(list(case.total_lengths), case.cp, case.cp_layout, cp_rank), dtype=torch.int64)
+    real = rows != PAD
+
+    def local(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        out = t.new_zeros((rows.numel(), t.shape[-1]))
+        out[real] = t[rows[real]]
+        return out
+    return Expected(log_prob=pick(full.log_prob), entropy=pick(full.entropy), grad=local(full.grad),
+                    entropy_requires_grad=full.entropy_requires_grad, log_prob_tol=pick(full.log_prob_tol),
+                    entropy_tol=pick(full.entropy_tol), grad_tol=local(full.grad_tol))
 
 
 def _abs_sum(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:

@@ -8,40 +8,44 @@ WRAPPER = ("wrapper",)
 
 
 def _per_sample(ev: Evidence, key: str, what: str) -> list[str]:
-    exp = ev.expected
-    want, bounds = getattr(exp, key), getattr(exp, f"{key}_tol")
+    """Every rank's per-sample values against its own expectation (its replica's data, its CP pieces)."""
     problems = []
     for r in ev.ranks:
+        exp = ev.expected_for(r)
+        want, bounds = getattr(exp, key), getattr(exp, f"{key}_tol")
         got = getattr(r.obs, key)
         if want is None or got is None or len(got) != len(want):
             continue  # counted by wrapper-extraction
         for i, (g, w, b) in enumerate(zip(got, want, bounds)):
-            problems += ev.compare(g, w, b, f"rank {r.rank} sample {i} {what}")
+            problems += ev.compare(g, w, b, f"{r.name} sample {i} {what}")
     return problems
 
 
 @check("wrapper-extraction", levels=WRAPPER, needs="forward")
 def extraction(ev: Evidence) -> list[str]:
-    """One float32 tensor of R_i response values per sample, for log-probs and (when asked) entropy."""
+    """One float32 tensor of R_i response values per sample, for log-probs and (when asked) entropy;
+    at CP > 1, of the response positions that the rank's zigzag chunks hold."""
     c: WrapperCase = ev.case
     problems = []
     for r in ev.ranks:
+        pieces = [int(v.numel()) for v in ev.expected_for(r).log_prob]
         for key, metas in (("log_probs", r.obs.log_prob_meta), ("entropy", r.obs.entropy_meta)):
             if metas is None:
                 if key == "entropy" and c.with_entropy:
-                    problems.append(f"rank {r.rank}: with_entropy=True but res has no 'entropy'")
+                    problems.append(f"{r.name}: with_entropy=True but res has no 'entropy'")
                 continue
             if len(metas) != len(c.response_lengths):
-                problems.append(f"rank {r.rank}: {len(metas)} {key} entries for {len(c.response_lengths)} samples")
+                problems.append(f"{r.name}: {len(metas)} {key} entries for {len(c.response_lengths)} samples")
                 continue
-            for i, (m, R) in enumerate(zip(metas, c.response_lengths)):
+            for i, (m, n) in enumerate(zip(metas, pieces)):
                 if m is None:
-                    problems.append(f"rank {r.rank}: {key}[{i}] is not a tensor")
+                    problems.append(f"{r.name}: {key}[{i}] is not a tensor")
                     continue
-                if m.numel != R:
-                    problems.append(f"rank {r.rank}: {key}[{i}] has shape {list(m.shape)}, response length is {R}")
+                if m.numel != n:
+                    what = "response length" if c.cp == 1 else f"this CP rank's piece of the response ({n} of {c.response_lengths[i]})"
+                    problems.append(f"{r.name}: {key}[{i}] has shape {list(m.shape)}, {what} is {n}")
                 if m.dtype != "float32":
-                    problems.append(f"rank {r.rank}: {key}[{i}] dtype {m.dtype}, expected float32")
+                    problems.append(f"{r.name}: {key}[{i}] dtype {m.dtype}, expected float32")
     problems += _per_sample(ev, "log_prob", "log-probs (shifted targets, response rows)")
     return problems
 
@@ -55,13 +59,13 @@ def entropy_coef_rule(ev: Evidence) -> list[str]:
     if ev.failed_ranks:
         # A caller that never sets entropy_coef is a caller too; other crashes are crash's.
         r = ev.failed_ranks[0]
-        return [f"rank {r.rank}: the wrapper raised with entropy_coef absent (absent means 0): {r.error}"] \
+        return [f"{r.name}: the wrapper raised with entropy_coef absent (absent means 0): {r.error}"] \
             if c.entropy_coef is None else []
     problems = []
     for r in ev.ranks:
         for i, m in enumerate(r.obs.entropy_meta or []):
             if m is not None and m.requires_grad != c.expects_entropy_grad:
-                problems.append(f"rank {r.rank}: entropy[{i}].requires_grad={m.requires_grad} with entropy_coef={coef}; "
+                problems.append(f"{r.name}: entropy[{i}].requires_grad={m.requires_grad} with entropy_coef={coef}; "
                                 f"expected {c.expects_entropy_grad}")
                 break
     return problems
@@ -88,15 +92,24 @@ def top_p_replay(ev: Evidence) -> list[str]:
 
 @check("wrapper-gradients", levels=WRAPPER, applies=lambda c, t: sum(c.response_lengths) > 0, reads=("autograd",))
 def wrapper_gradients(ev: Evidence) -> list[str]:
-    """Gradient w.r.t. the raw logits shard, including the entropy term exactly when entropy_coef != 0."""
-    grad = ev.full_grad()
-    if grad is None:
-        return ["no gradient reached the logits"]
-    exp = ev.expected
-    return ev.compare(grad, exp.grad, exp.grad_tol, "grad (all shards)")
+    """Gradient w.r.t. the raw logits shard, including the entropy term exactly when entropy_coef != 0;
+    in every TP group (each DP replica, each CP rank: the slice of the whole gradient on its rows)."""
+    problems = []
+    for group in ev.groups():
+        grad, exp = ev.full_grad(group), ev.expected_for(group[0])
+        where = group[0].group_name
+        what = f"grad (all shards{', ' + where if where else ''})"
+        if grad is None:
+            if exp.grad is not None and not exp.grad.any():
+                continue  # a CP rank whose rows the loss does not reach: None is its zero gradient
+            problems.append(f"no gradient reached the logits{' (' + where + ')' if where else ''}")
+            continue
+        problems += ev.compare(grad, exp.grad, exp.grad_tol, what)
+    return problems
 
 
-@check("chunk-size-honoured", levels=WRAPPER, applies=lambda c, t: c.kernel_comparable and t.kernel is not None)
+@check("chunk-size-honoured", levels=WRAPPER, applies=lambda c, t: c.kernel_comparable and t.kernel is not None,
+       reads=("kernel-pass",))
 def chunk_size_honoured(ev: Evidence) -> list[str]:
     """args.log_probs_chunk_size reaches the kernel: where the target kernel's collectives depend on
     the chunk size, the wrapper's forward issues the chunked kernel's sequence, not the unchunked one."""
@@ -107,6 +120,6 @@ def chunk_size_honoured(ev: Evidence) -> list[str]:
         chunked, whole = r.obs.kernel_pass.traces[ev.case.chunk_size], r.obs.kernel_pass.traces[-1]
         got = r.trace[: r.obs.n_forward_collectives]
         if chunked != whole and got == whole:
-            problems.append(f"rank {r.rank}: the wrapper issued the unchunked kernel's {len(whole)} collectives, "
+            problems.append(f"{r.name}: the wrapper issued the unchunked kernel's {len(whole)} collectives, "
                             f"not the {len(chunked)} of chunk_size={ev.case.chunk_size}: log_probs_chunk_size ignored")
     return problems

@@ -20,12 +20,15 @@ from harness.targets import load_target
 DTYPES = ("fp32", "bf16", "fp16")
 
 
-def _families(level: str, tps: list[int], keep_mask: bool) -> list[tuple[str, dict]]:
+def _families(level: str, tps: list[int], keep_mask: bool, cps: list[int] = ()) -> list[tuple[str, dict]]:
     if level == "kernel":
         masks = (False, True) if keep_mask else (False,)  # a target without a keep mask has no masked family
         return [(f"tp{tp}-{dt}-{'masked' if m else 'unmasked'}", dict(tp=tp, dtype=dt, masked=m))
                 for tp in tps for dt in DTYPES for m in masks]
-    return [(f"tp{tp}", dict(tp=tp)) for tp in tps]
+    families = [(f"tp{tp}", dict(tp=tp)) for tp in tps]
+    if level == "wrapper":  # --cp: TP x CP worlds, both layouts drawn
+        families += [(f"tp{tp}-cp{cp}", dict(tp=tp, cp=cp)) for cp in cps for tp in tps if tp <= 2]
+    return families
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -41,8 +44,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         for level in chk.levels:
             if level not in target.levels:
                 continue
-            for fam_id, fam in _families(level, config.harness_tp, target.supports("keep_mask")):
-                if fam["tp"] < chk.min_tp:
+            for fam_id, fam in _families(level, config.harness_tp, target.supports("keep_mask"), config.harness_cp):
+                if fam["tp"] * fam.get("cp", 1) < chk.min_tp:
                     continue
                 params.append((name, level, fam))
                 ids.append(f"{name}-{level}-{fam_id}")
@@ -56,7 +59,7 @@ def _strategy(runner, level: str, family: dict) -> st.SearchStrategy:
         return kernel_cases(tp=st.just(family["tp"]), dtype=st.just(family["dtype"]), masked=family["masked"], **caps)
     if level == "linear":
         return linear_cases(tp=st.just(family["tp"]), **caps)
-    return wrapper_cases(tp=st.just(family["tp"]), **caps)
+    return wrapper_cases(tp=st.just(family["tp"]), cp=st.just(family.get("cp", 1)), **caps)
 
 
 @pytest.mark.distributed

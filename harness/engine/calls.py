@@ -11,8 +11,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from cases.case import KernelCase, LinearCase
+from cases.case import KernelCase, LinearCase, WrapperCase
 from harness.targets import Target
+from reference.cp import PAD, local_rows
 
 _PAD = 2  # rows of other data around an "offset" slice
 
@@ -106,16 +107,29 @@ def tp_group() -> Any:
     return dist.group.WORLD
 
 
-def tp_coordinates() -> tuple[int, int]:
-    """(TP rank, DP replica) of this process, where production code finds them; (rank, 0) without
-    parallel_state (a world that is one TP group)."""
+def group_coordinates() -> tuple[int, int, int, tuple[int, int]]:
+    """(TP rank, CP rank, DP replica, (CP size, DP size)) of this process, where production code finds
+    them; (rank, 0, 0, (1, 1)) without parallel_state (a world that is one TP group)."""
     if not dist.is_initialized():
-        return 0, 0
-    from megatron.core import parallel_state
+        return 0, 0, 0, (1, 1)
+    from megatron.core import parallel_state as mpu
 
-    if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank()
-    return dist.get_rank(), 0
+    if mpu.model_parallel_is_initialized():
+        return (mpu.get_tensor_model_parallel_rank(), mpu.get_context_parallel_rank(), mpu.get_data_parallel_rank(),
+                (mpu.get_context_parallel_world_size(), mpu.get_data_parallel_world_size()))
+    return dist.get_rank(), 0, 0, (1, 1)
+
+
+def cp_local_logits(case: WrapperCase, logits: torch.Tensor, cp_rank: int) -> torch.Tensor:
+    """The `[T_local, V]` rows CP rank `cp_rank` holds of the whole sequence's logits, laid out as the
+    case's CP layout says (reference.cp); padding rows get the case's finite filler."""
+    if case.cp == 1:
+        return logits
+    rows = torch.tensor(local_rows(list(case.total_lengths), case.cp, case.cp_layout, cp_rank), dtype=torch.int64)
+    out = case.cp_filler(cp_rank, rows.numel())
+    real = rows != PAD
+    out[real] = logits[rows[real]]
+    return out
 
 
 @dataclass(frozen=True)

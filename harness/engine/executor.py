@@ -12,12 +12,13 @@ import torch
 
 import reference
 from cases.case import Case, KernelCase, LinearCase, WrapperCase
-from harness.engine.calls import (KernelShard, LinearShard, grad_context, laid_out, shard, tokens_laid_out, tp_coordinates,
-                                  tp_group, view_of, weighted)
+from harness.engine.calls import (KernelShard, LinearShard, cp_local_logits, grad_context, group_coordinates, laid_out,
+                                  shard, tokens_laid_out, tp_group, view_of, weighted)
 from harness.meters import trace
 from harness.meters.memory import Meter
 from harness.observations import KernelPass, Observation, RankResult, TensorMeta
 from harness.targets import Target, load_target
+from reference.cp import response_positions
 
 CASE_JOB = "harness.engine.executor:case_job"
 
@@ -140,17 +141,31 @@ def run_linear(case: LinearCase, target: Target, rank: int, group: Any, device: 
 
 
 def wants_kernel_pass(case: Case, target: Target) -> bool:
-    """Whether a wrapper job also runs its rows through the target's kernel, to compare with."""
-    return isinstance(case, WrapperCase) and case.kernel_comparable and target.kernel is not None
+    """Whether a wrapper job also runs its rows through the target's kernel, to compare with (not at
+    CP > 1, where the checks that read it do not apply: harness.checks.CASE_LIMITS)."""
+    return isinstance(case, WrapperCase) and case.kernel_comparable and case.cp == 1 and target.kernel is not None
+
+
+def cp_weights(case: WrapperCase, per_sample: list[torch.Tensor] | None, cp_rank: int) -> list[torch.Tensor] | None:
+    """The upstream weights of the response values CP rank `cp_rank` returns: per sample, the global
+    weights at its response positions. The ranks' losses then sum to the whole sequence's loss."""
+    if per_sample is None or case.cp == 1:
+        return per_sample
+    return [w[response_positions(L, R, case.cp, cp_rank)] for w, L, R in
+            zip(per_sample, case.total_lengths, case.response_lengths)]
 
 
 class _WrapperCall:
-    """A wrapper case's inputs on one rank, laid out as the case says, and the call itself."""
+    """A wrapper case's inputs on one rank (at CP > 1, its CP rank's rows), laid out as the case says,
+    and the call itself."""
 
-    def __init__(self, case: WrapperCase, target: Target, rank: int, device: torch.device, requires_grad: bool = True):
+    def __init__(self, case: WrapperCase, target: Target, rank: int, device: torch.device, requires_grad: bool = True,
+                 cp_rank: int = 0):
         self.case, self.target, self.device = case, target, device
         self.full = full = case.inputs()
-        self.values = shard(full.logits, rank, case.v_local, device)
+        self.weights = {k: cp_weights(case, getattr(full, k), cp_rank)
+                        for k in ("w_log_probs", "w_entropy", "w_log_probs_2", "w_entropy_2")}
+        self.values = shard(cp_local_logits(case, full.logits, cp_rank), rank, case.v_local, device)
         self.source, x = laid_out(self.values, case.layout, requires_grad)
         self.logits = x.unsqueeze(0)
         tokens = [t.to(device) for t in full.unconcat_tokens]
@@ -168,8 +183,8 @@ class _WrapperCall:
         return list(res.get("log_probs", [])), res.get("entropy")
 
     def loss(self, log_probs: list, entropy: Any, second: bool = False) -> Any:
-        f = self.full
-        w1, w2 = (f.w_log_probs_2, f.w_entropy_2) if second else (f.w_log_probs, f.w_entropy)
+        w = self.weights
+        w1, w2 = (w["w_log_probs_2"], w["w_entropy_2"]) if second else (w["w_log_probs"], w["w_entropy"])
         loss = sum((weighted(t, w, self.device) for t, w in zip(log_probs, w1)), 0.0)
         if entropy is not None:
             loss = loss + sum((weighted(t, w, self.device) for t, w in zip(entropy, w2)), 0.0)
@@ -180,8 +195,9 @@ class _WrapperCall:
         return None if g is None else view_of(g, self.case.layout if self.case.layout != "nonleaf" else "")
 
 
-def run_wrapper(case: WrapperCase, target: Target, rank: int, device: torch.device, obs: Observation) -> None:
-    call = _WrapperCall(case, target, rank, device)
+def run_wrapper(case: WrapperCase, target: Target, rank: int, device: torch.device, obs: Observation,
+                cp_rank: int = 0) -> None:
+    call = _WrapperCall(case, target, rank, device, cp_rank=cp_rank)
     logits, tokens = call.logits, call.tokens
     integrity = _Integrity(logits=logits, **{f"tokens[{i}]": t for i, t in enumerate(tokens)})
     meter = Meter((logits, tokens, call.top_p_ids, call.top_p_offsets), device, metered(target))
@@ -217,7 +233,7 @@ def run_wrapper(case: WrapperCase, target: Target, rank: int, device: torch.devi
     if wants_kernel_pass(case, target):
         obs.kernel_pass = kernel_pass(case, target, call.values, device)
     if not case.autograd and case.T > 0:
-        train = _WrapperCall(case.replace(context="train"), target, rank, device)
+        train = _WrapperCall(case.replace(context="train"), target, rank, device, cp_rank=cp_rank)
         with trace.recording():
             lps, ents = train()
         obs.training = ([_detached(t) for t in lps], None if ents is None else [_detached(t) for t in ents])
@@ -266,8 +282,9 @@ def _to(ts: list | None, device: torch.device) -> list | None:
     return None if ts is None else [t.to(device) if isinstance(t, torch.Tensor) else t for t in ts]
 
 
-def run_on_rank(case: Case, target: Target, rank: int, device: torch.device) -> RankResult:
-    """Run one case on this rank; never raises (an exception is an observation)."""
+def run_on_rank(case: Case, target: Target, rank: int, device: torch.device, cp_rank: int = 0) -> RankResult:
+    """Run one case on this rank (TP rank `rank` of CP rank `cp_rank`); never raises (an exception is an
+    observation)."""
     result = RankResult(rank)
     group = tp_group()
     with trace.recording() as events:
@@ -277,7 +294,7 @@ def run_on_rank(case: Case, target: Target, rank: int, device: torch.device) -> 
             elif case.level == "linear":
                 run_linear(case, target, rank, group, device, result.obs)
             else:
-                run_wrapper(case, target, rank, device, result.obs)
+                run_wrapper(case, target, rank, device, result.obs, cp_rank)
         except Exception as e:  # the target's failure is data
             failed = RankResult.from_exception(rank, e)
             result.error, result.error_kind = failed.error, failed.error_kind
@@ -289,8 +306,9 @@ def run_on_rank(case: Case, target: Target, rank: int, device: torch.device) -> 
 def case_job(ctx: Any, case: Case, target_spec: str) -> RankResult:
     """Worker-side entry (`pool.run(CASE_JOB, case, spec)`): the target resolves once per process.
     In a world of several TP groups, each DP replica runs its own copy of the case on other data
-    (`Case.replica`); the driver evaluates replica 0's ranks, against the case's own oracle."""
-    tp_rank, replica = tp_coordinates()
-    result = run_on_rank(case.replica(replica), load_target(target_spec), tp_rank, ctx.device)
-    result.replica = replica
+    (`Case.replica`), and each CP rank its rows of it; the driver evaluates every TP group against
+    its replica's oracle, sliced for its CP rank."""
+    tp_rank, cp_rank, replica, groups = group_coordinates()
+    result = run_on_rank(case.replica(replica), load_target(target_spec), tp_rank, ctx.device, cp_rank)
+    result.replica, result.cp_rank, result.groups = replica, cp_rank, groups
     return result

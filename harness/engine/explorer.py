@@ -36,10 +36,11 @@ class _NewFailure(Exception):
         self.case = case
 
 
-def strategy_for(runner: Runner, level: str, tps: Iterable[int], dp: int = 1) -> st.SearchStrategy:
+def strategy_for(runner: Runner, level: str, tps: Iterable[int], dp: int = 1, cp: int = 1) -> st.SearchStrategy:
     t = runner.target
+    extra = {"cp": st.just(cp)} if cp > 1 else {}  # a wrapper-level axis
     return LEVEL_STRATEGIES[level](tp=st.sampled_from(tuple(tps)), entropy=t.supports("entropy"),
-                                   keep_mask=t.supports("keep_mask"), dp=st.just(dp))
+                                   keep_mask=t.supports("keep_mask"), dp=st.just(dp), **extra)
 
 
 def run_corpus(runner: Runner, tps: Iterable[int], progress: Callable[[str], None] = lambda s: None,
@@ -71,12 +72,13 @@ def run_corpus(runner: Runner, tps: Iterable[int], progress: Callable[[str], Non
 def explore(runner: Runner, level: str, tps: Iterable[int], max_examples: int, seed: int,
             shrink: bool = True, progress: Callable[[str], None] = lambda s: None,
             stop: Callable[[list[Finding]], bool] | None = None, limits: RunLimits | None = None,
-            dp: int = 1) -> list[Finding]:
-    """Random cases of one level (TP groups in a world of `dp` replicas); returns one finding per
+            dp: int = 1, cp: int = 1) -> list[Finding]:
+    """Random cases of one level (TP groups in a world of `dp` replicas, and of `cp` CP ranks at the
+    wrapper level); returns one finding per
     (newly) failing check, shrunk when asked. Without shrinking, every finding of every case is
     returned; `stop` ends the search early once the findings so far satisfy it."""
-    strategy = strategy_for(runner, level, tps, dp)
-    label = level if dp == 1 else f"{level} (DP {dp})"
+    strategy = strategy_for(runner, level, tps, dp, cp)
+    label = level + (f" (DP {dp})" if dp > 1 else "") + (f" (CP {cp})" if cp > 1 else "")
     known: set[str] = set()
     out: list[Finding] = []
     for round_ in range(len(runner.checks) + 1):
@@ -136,17 +138,22 @@ def explore(runner: Runner, level: str, tps: Iterable[int], max_examples: int, s
     return out
 
 
-def plan(profile: Profile, levels: Iterable[str], tps: list[int], launched: bool = False
-         ) -> list[tuple[str, list[int], int, int]]:
-    """What `harness check` explores: (level, TP sizes, cases, DP) per step. Every TP size asked
+def plan(profile: Profile, levels: Iterable[str], tps: list[int], launched: bool = False,
+         cp: Iterable[int] | None = None) -> list[tuple[str, list[int], int, int, int]]:
+    """What `harness check` explores: (level, TP sizes, cases, DP, CP) per step. Every TP size asked
     for (plus the profile's extra ones, except under a launcher, whose world is fixed) at DP 1;
-    then the profile's DP sizes, TP groups inside a world of 2 replicas."""
+    then the profile's DP sizes, TP groups inside a world of 2 replicas; then wrapper cases in
+    TP x CP worlds, at the CP sizes asked for (`cp`; None: the profile's)."""
     sizes = sorted(set(tps) | (set() if launched else set(profile.extra_tp)))
     counts = {"kernel": profile.kernel_cases, "wrapper": profile.wrapper_cases, "linear": profile.linear_cases}
     # The linear level runs in one TP group: DP replicas are the kernel's and the wrapper's axis.
     dp_counts = {"kernel": profile.dp_kernel_cases, "wrapper": profile.dp_wrapper_cases, "linear": 0}
     dp_sizes = [] if launched else [tp for tp in sizes if tp in profile.dp_tp]
-    steps = [(level, sizes, counts[level] * len(sizes), 1) for level in levels if counts[level]]
+    steps = [(level, sizes, counts[level] * len(sizes), 1, 1) for level in levels if counts[level]]
     if dp_sizes:
-        steps += [(level, dp_sizes, dp_counts[level] * len(dp_sizes), 2) for level in levels if dp_counts[level]]
+        steps += [(level, dp_sizes, dp_counts[level] * len(dp_sizes), 2, 1) for level in levels if dp_counts[level]]
+    cp_sizes = [] if launched else sorted(set(profile.cp_sizes if cp is None else cp) - {1})
+    cp_tps = [tp for tp in sizes if tp in profile.cp_tp] or sizes[:1]
+    if "wrapper" in levels and profile.cp_wrapper_cases:
+        steps += [("wrapper", cp_tps, profile.cp_wrapper_cases * len(cp_tps), 1, size) for size in cp_sizes]
     return steps

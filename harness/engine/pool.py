@@ -1,9 +1,9 @@
-"""Persistent tensor-parallel worker pools: one per (TP size, DP size), started once, reused for every case.
+"""Persistent tensor-parallel worker pools: one per (TP, CP, DP) size, started once, reused for every case.
 
 Each rank joins a real `torch.distributed` group (gloo on CPU, NCCL on CUDA) with a collective
-timeout, and initialises megatron-core's `parallel_state` with the pool's TP size, so wrappers find
-their group where production code looks. A pool's world is TP x DP: with DP > 1 the TP groups are
-subgroups of the world, as in training (rank g is TP rank g % TP of DP replica g // TP). The main
+timeout, and initialises megatron-core's `parallel_state` with the pool's TP and CP sizes, so wrappers
+find their groups where production code looks. A pool's world is TP x CP x DP, megatron-core's order
+(TP fastest): world rank g is TP rank g % TP of CP rank (g // TP) % CP of DP replica g // (TP x CP). The main
 process sends each job to every rank and waits with a deadline; a rank that dies or does not
 answer becomes an error result naming it, and the pool is torn down and rebuilt.
 
@@ -91,8 +91,13 @@ def _reply(conn: Connection, obj: Any) -> None:
     conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
+def coordinates(rank: int, tp: int, cp: int) -> tuple[int, int, int]:
+    """(TP rank, CP rank, DP replica) of world rank `rank` in megatron-core's default order."""
+    return rank % tp, (rank // tp) % cp, rank // (tp * cp)
+
+
 def _worker_main(rank: int, world: int, store_dir: str, conn: Connection, backend: str,
-                 timeout_s: float, parent_pid: int, tp: int, board: ProgressBoard) -> None:
+                 timeout_s: float, parent_pid: int, tp: int, board: ProgressBoard, cp: int = 1) -> None:
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process owns shutdown
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the driver's handler, inherited by fork
@@ -113,13 +118,14 @@ def _worker_main(rank: int, world: int, store_dir: str, conn: Connection, backen
 
         # megatron-core gives its groups their own timeout (30 minutes by default): pass ours on,
         # or a collective on the TP group could outwait every deadline.
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
                                                  distributed_timeout_minutes=timeout_s / 60.0,
                                                  create_gloo_process_groups=False)
-        coords = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank())
-        if coords != (rank % tp, rank // tp):  # the layout the driver assumes to name ranks
-            raise RuntimeError(f"rank {rank}: megatron-core placed it at (TP rank, DP rank) {coords}, "
-                               f"expected {(rank % tp, rank // tp)}")
+        coords = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_context_parallel_rank(),
+                  parallel_state.get_data_parallel_rank())
+        if coords != coordinates(rank, tp, cp):  # the layout the driver assumes to name ranks
+            raise RuntimeError(f"rank {rank}: megatron-core placed it at (TP rank, CP rank, DP rank) {coords}, "
+                               f"expected {coordinates(rank, tp, cp)}")
     except Exception:
         _reply(conn, ("failed", traceback.format_exc(limit=4)))
         return
@@ -147,12 +153,14 @@ def _worker_main(rank: int, world: int, store_dir: str, conn: Connection, backen
 
 class WorkerPool:
     def __init__(self, tp: int, device: str = "cpu", collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
-                 dp: int = 1, case_timeout_s: float | None = None):
-        """`dp`: data-parallel replicas, each a TP group of `tp` ranks (world = tp x dp).
+                 dp: int = 1, case_timeout_s: float | None = None, cp: int = 1):
+        """`dp`: data-parallel replicas, each `cp` context-parallel ranks of TP groups of `tp` ranks
+        (world = tp x cp x dp).
         `case_timeout_s`: a fixed deadline per job; None scales it with the measured job cost."""
         self.tp = tp
         self.dp = dp
-        self.world = tp * dp
+        self.cp = cp
+        self.world = tp * cp * dp
         self.backend = "nccl" if device == "cuda" else "gloo"
         self.start_method = "spawn" if device == "cuda" else "fork"
         self.collective_timeout_s = collective_timeout_s
@@ -189,7 +197,11 @@ class WorkerPool:
         return min(backstop, max(CASE_FLOOR_S, CASE_COST_FACTOR * median))
 
     def name(self, r: int) -> str:
-        return f"rank {r}" if self.dp == 1 else f"rank {r} (TP rank {r % self.tp} of DP replica {r // self.tp})"
+        if self.dp == 1 and self.cp == 1:
+            return f"rank {r}"
+        tp_rank, cp_rank, replica = coordinates(r, self.tp, self.cp)
+        where = f"TP rank {tp_rank}" + (f" of CP rank {cp_rank}" if self.cp > 1 else "")
+        return f"rank {r} ({where}" + (f" of DP replica {replica})" if self.dp > 1 else ")")
 
     def start(self) -> None:
         if self.start_method == "fork":
@@ -199,14 +211,14 @@ class WorkerPool:
                 warnings.simplefilter("ignore")
                 import megatron.core.parallel_state  # noqa: F401
         ctx = mp.get_context(self.start_method)
-        label = f"tp{self.tp}" + (f"dp{self.dp}" if self.dp > 1 else "")
+        label = f"tp{self.tp}" + (f"cp{self.cp}" if self.cp > 1 else "") + (f"dp{self.dp}" if self.dp > 1 else "")
         self.store_dir = tempfile.mkdtemp(prefix=f"harness-{label}-")
         self.board = ProgressBoard(ctx, self.world)
         for rank in range(self.world):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker_main, name=f"harness-{label}-rank{rank}", daemon=True,
                             args=(rank, self.world, self.store_dir, child, self.backend,
-                                  self.collective_timeout_s, os.getpid(), self.tp, self.board))
+                                  self.collective_timeout_s, os.getpid(), self.tp, self.board, self.cp))
             p.start()
             child.close()
             self.procs.append(p)
@@ -217,12 +229,14 @@ class WorkerPool:
         bad += [f"rank {r}: {m[1]}" for r, m in enumerate(replies) if isinstance(m, tuple) and m[0] != "ready"]
         if bad:
             self.close()
-            size = f"TP {self.tp}" + (f" x DP {self.dp}" if self.dp > 1 else "")
+            size = f"TP {self.tp}" + (f" x CP {self.cp}" if self.cp > 1 else "") + (f" x DP {self.dp}" if self.dp > 1 else "")
             raise PoolStartError(f"{size} pool failed to start: " + "; ".join(bad))
 
     def _result(self, r: int, error: str, kind: str, trace: list | None = None) -> RankResult:
         """The pool's own result for world rank r, which gave no answer of its own."""
-        return RankResult(r % self.tp, error=error, error_kind=kind, trace=list(trace or []), replica=r // self.tp)
+        tp_rank, cp_rank, replica = coordinates(r, self.tp, self.cp)
+        return RankResult(tp_rank, error=error, error_kind=kind, trace=list(trace or []), replica=replica,
+                          cp_rank=cp_rank, groups=(self.cp, self.dp))
 
     def _stuck(self, pending: list[int], replies: dict[int, Any], still_s: float) -> dict[int, RankResult]:
         """The results of ranks found stuck, each naming the collective it was blocked in."""

@@ -18,7 +18,7 @@ from harness.engine.pool import STARTUP_TIMEOUT_S, WorkerPool
 from harness.errors import TargetError
 from harness.findings import Finding, repro_command
 from harness.known import KnownFindings, load as load_known
-from harness.observations import HANG_KINDS, RankResult
+from harness.observations import RankResult
 from harness.options import RunConfig
 from harness.targets import Target, load_target
 
@@ -26,20 +26,12 @@ CACHE_SIZE = 4096
 KNOWN_KEPT = 200  # known findings kept for the report; every match is counted on its entry
 
 
-def replica_zero(results: list[RankResult]) -> list[RankResult]:
-    """The results of DP replica 0's TP group, in TP-rank order: what the checks evaluate against
-    the case's oracle (the other replicas ran other data, so that cross-talk corrupts replica 0).
-    A rank of another replica left stuck, timed out or dead is reported on replica 0's rank of the
-    same TP rank when that one has no error of its own: a hang anywhere is the case's hang."""
-    if all(r.replica == 0 for r in results):
-        return results
-    zero = sorted((r for r in results if r.replica == 0), key=lambda r: r.rank)
-    for other in results:
-        if other.replica and other.error_kind in (*HANG_KINDS, "died"):
-            mine = zero[other.rank]
-            if not mine.error:
-                mine.error, mine.error_kind = other.error, other.error_kind
-    return zero
+def by_group(results: list[RankResult]) -> list[RankResult]:
+    """Every rank's result, TP group by TP group (DP replica, then CP rank), each in TP-rank order:
+    the checks evaluate every group, each against the oracle of its own replica's data and CP rank
+    (`Evidence.expected_for`), so a routine that takes the world rank for its TP rank shows on the
+    groups that do not start at world rank 0."""
+    return sorted(results, key=lambda r: (r.replica, r.cp_rank, r.rank))
 
 
 def _needs_rebuild(results: list[RankResult]) -> bool:
@@ -122,13 +114,15 @@ class Runner:
                 self.known_findings.append(f)
         return new
 
-    def pool(self, tp: int, dp: int = 1) -> WorkerPool:
-        """The pool of TP-`tp` groups, `dp` of them in one world (keyed `tp`, or `(tp, dp)` for DP > 1)."""
-        key: Any = tp if dp == 1 else (tp, dp)
+    def pool(self, tp: int, dp: int = 1, cp: int = 1) -> WorkerPool:
+        """The pool of TP-`tp` groups, `cp` x `dp` of them in one world (keyed `tp`, `(tp, dp)` for
+        DP > 1, `(tp, cp, dp)` for CP > 1)."""
+        key: Any = tp if dp == cp == 1 else (tp, dp) if cp == 1 else (tp, cp, dp)
         if key not in self.pools:
-            shared = torchrun.pool(tp)  # under torchrun: the launched ranks instead of a pool of our own
+            # under torchrun: the launched ranks instead of a pool of our own (one TP group per world)
+            shared = torchrun.pool(tp) if cp == 1 else None
             self.pools[key] = shared if shared is not None else WorkerPool(
-                tp, self.device, self.collective_timeout_s, dp=dp, case_timeout_s=self.case_timeout_s)
+                tp, self.device, self.collective_timeout_s, dp=dp, case_timeout_s=self.case_timeout_s, cp=cp)
         return self.pools[key]
 
     def fit(self, case: Case) -> Case:
@@ -142,7 +136,7 @@ class Runner:
         if case in self._cache:
             self._cache.move_to_end(case)
             return self._cache[case]
-        pool = self.pool(case.tp, case.dp)
+        pool = self.pool(case.tp, case.dp, getattr(case, "cp", 1))
         start = time.perf_counter()
         deadline = None
         if isinstance(pool, WorkerPool) and pool.case_timeout_s is None:
@@ -152,7 +146,7 @@ class Runner:
                 deadline = max(pool.case_deadline(), STARTUP_TIMEOUT_S)
             elif not self.target.supports("eager"):
                 deadline = max(pool.case_deadline(), COMPILE_DEADLINE_S)
-        results = replica_zero(pool.run(CASE_JOB, case, self.target.spec, deadline_s=deadline))
+        results = by_group(pool.run(CASE_JOB, case, self.target.spec, deadline_s=deadline))
         if isinstance(pool, WorkerPool):
             self._called_on.add(_workers(pool))  # a rebuilt pool's new workers start afresh
         self.run_seconds += time.perf_counter() - start

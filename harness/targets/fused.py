@@ -24,7 +24,7 @@ themselves plus the O(T) vectors ``lse`` and ``entropy``.
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,33 @@ class _FusedFunction(torch.autograd.Function):
     def backward(ctx, grad_log_prob, grad_entropy):
         grad_logits = ctx.routine.backward(ctx, grad_log_prob, grad_entropy)
         return grad_logits, None, None, None, None, None, None, None, None
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """A differentiable all-reduce SUM: the gradient of every rank's input is the sum of every
+    rank's output gradient (each rank's output is the sum of every rank's input)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        out = tensor.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
+class CPLayout(NamedTuple):
+    """A wrapper call's context-parallel setting, as the CP steps see it."""
+    total_lengths: Sequence[int]
+    response_lengths: Sequence[int]
+    size: int
+    rank: int
+    allgather: bool
 
 
 class FusedLogProbEntropy:
@@ -362,6 +389,142 @@ class FusedLogProbEntropy:
             mask[id_rows[own], local[own]] = True
         return mask
 
+    # ------------------------------------------------------------------ Level 2: context parallelism
+    def cp_info(self) -> tuple[int, int, Any]:
+        """(CP size, CP rank, CP group) from megatron's parallel_state; (1, 0, None) without it."""
+        mpu = sys.modules.get("megatron.core.parallel_state")
+        if mpu is None or not mpu.model_parallel_is_initialized():
+            return 1, 0, None
+        return (mpu.get_context_parallel_world_size(), mpu.get_context_parallel_rank(),
+                mpu.get_context_parallel_group())
+
+    def zigzag_bounds(self, length: int, cp_size: int, chunk: int) -> tuple[int, int]:
+        """Rows ``[s, e)`` of a sample in zigzag chunk ``chunk`` of ``2 * cp_size`` (may run past it: padding)."""
+        size = (length + 2 * cp_size - 1) // (2 * cp_size)
+        return chunk * size, (chunk + 1) * size
+
+    def cp_rows(self, num_rows: int, total_lengths, cp_size: int, cp_rank: int, allgather: bool, device):
+        """Per local row, ``(sample, position in the sample)``; sample -1 on padding rows."""
+        sample, pos = [], []
+        if allgather:
+            starts = [0]
+            for n in total_lengths:
+                starts.append(starts[-1] + int(n))
+            for g in range(cp_rank * num_rows, (cp_rank + 1) * num_rows):
+                i = next((k for k in range(len(total_lengths)) if starts[k] <= g < starts[k + 1]), -1)
+                sample.append(i)
+                pos.append(g - starts[i] if i >= 0 else 0)
+        else:
+            for i, n in enumerate(total_lengths):
+                for chunk in (cp_rank, 2 * cp_size - 1 - cp_rank):
+                    s, e = self.zigzag_bounds(int(n), cp_size, chunk)
+                    sample += [i if j < int(n) else -1 for j in range(s, e)]
+                    pos += [j if j < int(n) else 0 for j in range(s, e)]
+        as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+        return as_long(sample), as_long(pos)
+
+    def cp_targets(self, unconcat_tokens, sample: torch.Tensor, pos: torch.Tensor, total_lengths) -> torch.Tensor:
+        """The target of each local row: the sample's next token, 0 on its last row and on padding."""
+        out = torch.zeros(sample.numel(), dtype=torch.long, device=sample.device)
+        for i, (toks, n) in enumerate(zip(unconcat_tokens, total_lengths)):
+            toks = torch.as_tensor(toks, device=sample.device).reshape(-1).to(torch.long)
+            rows = ((sample == i) & (pos + 1 < int(n))).nonzero(as_tuple=True)[0]
+            out[rows] = toks[pos[rows] + 1]
+        return out
+
+    def cp_response_index(self, sample: torch.Tensor, pos: torch.Tensor, total_lengths,
+                          response_lengths) -> torch.Tensor:
+        """Per local row, the response position it predicts (row P-1+k predicts response token k), or -1."""
+        k = torch.full_like(pos, -1)
+        for i, (n, r) in enumerate(zip(total_lengths, response_lengths)):
+            rows = (sample == i).nonzero(as_tuple=True)[0]
+            idx = pos[rows] - (int(n) - int(r) - 1)
+            ok = (idx >= 0) & (idx < int(r))
+            k[rows[ok]] = idx[ok]
+        return k
+
+    def cp_keep_mask(self, num_rows: int, v_local: int, rank: int, sample: torch.Tensor, k: torch.Tensor,
+                     top_p_token_ids, top_p_token_offsets, device, layout: CPLayout) -> Optional[torch.Tensor]:
+        """The local keep mask at CP: each local response row (sample, response position k, from
+        `layout`'s rows) masked to its recorded nucleus."""
+        if top_p_token_ids is None or top_p_token_offsets is None:
+            return None
+        start, mask = self.shard_start(rank, v_local), None
+        for i, (ids, offs) in enumerate(zip(top_p_token_ids, top_p_token_offsets)):
+            ids = torch.as_tensor(ids, device=device).reshape(-1).to(torch.long)
+            offs = torch.as_tensor(offs, device=device).reshape(-1).to(torch.long)
+            for row in ((sample == i) & (k >= 0) & (k + 1 < offs.numel())).nonzero(as_tuple=True)[0].tolist():
+                if mask is None:
+                    mask = torch.ones(num_rows, v_local, dtype=torch.bool, device=device)
+                r = int(k[row])
+                local = ids[int(offs[r]):int(offs[r + 1])] - start
+                mask[row] = False
+                mask[row, local[self.owned(local, v_local)]] = True
+        return mask
+
+    def zigzag_positions(self, length: int, response_length: int, cp_size: int, cp_rank: int) -> list[int]:
+        """The response positions a CP rank returns: those its chunk r predicts, then chunk 2c-1-r's."""
+        first = length - response_length - 1
+        out = []
+        for chunk in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            s, e = self.zigzag_bounds(length, cp_size, chunk)
+            out += [j - first for j in range(max(s, first), min(e, length - 1))]
+        return out
+
+    def cp_reduce_group(self, cp_group, tp_group):
+        """The group the all-gather CP pieces are summed over."""
+        return cp_group
+
+    def cp_absent_piece(self, response_length: int, like: torch.Tensor) -> torch.Tensor:
+        """A sample's response on a rank holding none of it: zeros whose autograd state follows the
+        other pieces' (slime #2123: a fresh requires_grad=True tensor here hung training)."""
+        return torch.zeros(response_length, dtype=like.dtype, device=like.device, requires_grad=like.requires_grad)
+
+    def cp_redistribute(self, values: torch.Tensor, sample: torch.Tensor, k: torch.Tensor, total_lengths,
+                        response_lengths, cp_size: int, cp_rank: int, group) -> list[torch.Tensor]:
+        """All-gather CP: every sample's whole response summed (differentiably) over the CP group from
+        each rank's rows, then this rank's zigzag positions of it."""
+        full = []
+        for i, r in enumerate(response_lengths):
+            rows = ((sample == i) & (k >= 0)).nonzero(as_tuple=True)[0]
+            if rows.numel() == 0:
+                full.append(self.cp_absent_piece(int(r), values))
+            else:
+                full.append(values.new_zeros(int(r)).index_add(0, k[rows], values[rows]))
+        summed = _SumOverGroup.apply(torch.cat(full), group)
+        return [part[self.zigzag_positions(int(n), int(r), cp_size, cp_rank)] for part, n, r in
+                zip(summed.split([int(r) for r in response_lengths]), total_lengths, response_lengths)]
+
+    def cp_wrapper(self, x, args, unconcat_tokens, total_lengths, response_lengths, with_entropy,
+                   top_p_token_ids, top_p_token_offsets, cp: tuple[int, int, Any]) -> dict:
+        """The wrapper's steps at CP > 1: this rank's rows of the zigzag or all-gather layout."""
+        cp_size, cp_rank, cp_group = cp
+        allgather = bool(getattr(args, "allgather_cp", False))
+        layout = CPLayout(total_lengths, response_lengths, cp_size, cp_rank, allgather)
+        num_rows, v_local = x.shape
+        sample, pos = self.cp_rows(num_rows, total_lengths, cp_size, cp_rank, allgather, x.device)
+        k = self.cp_response_index(sample, pos, total_lengths, response_lengths)
+        group = self.tp_group()
+        _group, _world, rank = self.group_info(group)
+        keep = self.cp_keep_mask(num_rows, v_local, rank, sample, k, top_p_token_ids, top_p_token_offsets, x.device,
+                                 layout)
+        log_prob, entropy = self.calculate_log_probs_and_entropy(
+            x, self.cp_targets(unconcat_tokens, sample, pos, total_lengths), group, with_entropy=with_entropy,
+            chunk_size=self.chunk_size(args), log_prob_keep_mask=keep,
+            with_entropy_grad=self.entropy_grad_flag(with_entropy, args))
+        outputs = {"log_probs": log_prob.reshape(-1)}
+        if with_entropy:
+            outputs["entropy"] = entropy
+        res = {}
+        for key, values in outputs.items():
+            if allgather:
+                res[key] = self.cp_redistribute(values, sample, k, total_lengths, response_lengths, cp_size,
+                                                cp_rank, self.cp_reduce_group(cp_group, group))
+            else:  # local order is chunk r then chunk 2c-1-r: the zigzag order already
+                res[key] = [values[((sample == i) & (k >= 0)).nonzero(as_tuple=True)[0]]
+                            for i in range(len(total_lengths))]
+        return res
+
     def get_log_probs_and_entropy(self, logits, *, args, unconcat_tokens, total_lengths,
                                   response_lengths, with_entropy=False, non_loss_data=True,
                                   top_p_token_ids=None, top_p_token_offsets=None):
@@ -371,6 +534,11 @@ class FusedLogProbEntropy:
         temp = self.temperature(args)
         if temp != 1.0:
             x = x / temp
+        cp = self.cp_info()
+        if cp[0] > 1:
+            res = self.cp_wrapper(x, args, unconcat_tokens, total_lengths, response_lengths, with_entropy,
+                                  top_p_token_ids, top_p_token_offsets, cp)
+            return torch.empty(0, device=logits.device), res
         tokens = self.shifted_tokens(unconcat_tokens, total_lengths, x.device)
         group = self.tp_group()
         _group, _world, rank = self.group_info(group)

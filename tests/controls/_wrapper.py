@@ -81,6 +81,92 @@ def _keep_mask(shape: tuple[int, int], start: int, firsts: list[int], response_l
     return mask
 
 
+def _cp():
+    """(CP size, CP rank, CP group) from parallel_state, or (1, 0, None)."""
+    mpu = sys.modules.get("megatron.core.parallel_state")
+    if mpu is None or not mpu.model_parallel_is_initialized():
+        return 1, 0, None
+    return mpu.get_context_parallel_world_size(), mpu.get_context_parallel_rank(), mpu.get_context_parallel_group()
+
+
+def _zigzag_rows(total_lengths: Sequence[int], size: int, rank: int, device) -> torch.Tensor:
+    """Packed rows of the rank's two zigzag chunks of every sample, in local order; -1 past a sample's end."""
+    parts, base = [], 0
+    for length in total_lengths:
+        length = int(length)
+        chunk = -(-length // (2 * size))
+        for c in (rank, 2 * size - 1 - rank):
+            j = c * chunk + torch.arange(chunk, device=device)
+            parts.append(torch.where(j < length, base + j, torch.full_like(j, -1)))
+        base += length
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=device)
+
+
+class _CPSum(torch.autograd.Function):
+    """Sum over the CP group; its gradient is the sum over the group too."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+def _cp_call(kernel: Kernel, x: torch.Tensor, args, unconcat_tokens, total_lengths, response_lengths,
+             with_entropy: bool, top_p_token_ids, top_p_token_offsets, cp) -> dict:
+    """Context parallelism: this rank's rows are packed rows `rows` (zigzag: its two chunks of every
+    sample; all-gather: a contiguous piece). Values go back to packed positions; at all-gather CP the
+    packed vector is summed over the CP group, then each rank returns its zigzag chunks' response rows."""
+    size, cp_rank, cp_group = cp
+    allgather = bool(getattr(args, "allgather_cp", False))
+    total = sum(int(n) for n in total_lengths)
+    n_local = x.shape[0]
+    zigzag = _zigzag_rows(total_lengths, size, cp_rank, x.device)
+    if allgather:
+        rows = cp_rank * n_local + torch.arange(n_local, device=x.device)
+        rows = torch.where(rows < total, rows, torch.full_like(rows, -1))
+    else:
+        rows = zigzag
+    real = rows >= 0
+    targets = torch.zeros(n_local, dtype=torch.long, device=x.device)
+    targets[real] = _targets(unconcat_tokens, total_lengths, x.device)[rows[real]]
+    group = _tp_group()
+    firsts = _first_response_rows(total_lengths, response_lengths)
+    keep = _keep_mask((total, x.shape[1]), _rank(group) * x.shape[1], firsts, response_lengths,
+                      top_p_token_ids, top_p_token_offsets, x.device)
+    if keep is not None:
+        local_keep = torch.ones(x.shape, dtype=torch.bool, device=x.device)
+        local_keep[real] = keep[rows[real]]
+        keep = local_keep
+    coef = getattr(args, "entropy_coef", None) or 0.0
+    chunk = getattr(args, "log_probs_chunk_size", None)
+    log_prob, entropy = kernel(x, targets, group, with_entropy=with_entropy,
+                               chunk_size=-1 if chunk is None else int(chunk), log_prob_keep_mask=keep,
+                               with_entropy_grad=bool(with_entropy and coef != 0))
+    outs = {"log_probs": log_prob.reshape(-1)}
+    if with_entropy:
+        outs["entropy"] = entropy.reshape(-1)
+    res = {}
+    for key, local in outs.items():
+        if allgather:
+            packed = local.new_zeros(total).index_put((rows[real],), local[real])
+            packed, mine = _CPSum.apply(packed, cp_group), zigzag
+        else:
+            packed, mine = local, torch.arange(n_local, device=x.device)  # local rows are the zigzag rows
+        res[key] = []
+        for a, r in zip(firsts, response_lengths):
+            wanted = (zigzag >= a) & (zigzag < a + int(r))
+            res[key].append(packed[mine[wanted]])
+    return res
+
+
 def make_wrapper(kernel: Kernel) -> Callable[..., tuple[torch.Tensor, dict]]:
     def get_log_probs_and_entropy(logits: torch.Tensor, *, args, unconcat_tokens, total_lengths,
                                   response_lengths, with_entropy: bool = False, non_loss_data: bool = True,
@@ -91,6 +177,11 @@ def make_wrapper(kernel: Kernel) -> Callable[..., tuple[torch.Tensor, dict]]:
         temperature = getattr(args, "rollout_temperature", None)
         if temperature is not None and float(temperature) != 1.0:
             x = x / float(temperature)  # never in place: the caller's logits stay intact
+        cp = _cp()
+        if cp[0] > 1:
+            res = _cp_call(kernel, x, args, unconcat_tokens, total_lengths, response_lengths, with_entropy,
+                           top_p_token_ids, top_p_token_offsets, cp)
+            return torch.empty(0, device=logits.device), res
         coef = getattr(args, "entropy_coef", None) or 0.0
         chunk = getattr(args, "log_probs_chunk_size", None)
         group = _tp_group()

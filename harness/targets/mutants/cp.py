@@ -1,0 +1,67 @@
+"""Context-parallel defects of the wrapper (CONTRACT.md, "Context parallelism") and the TP-rank
+mistake that only a TP group off world rank 0 shows: each class overrides exactly one step."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from harness.targets.fused import CPLayout
+from harness.targets.fused import FusedLogProbEntropy as Fused
+from harness.targets.mutants import mutant
+
+
+@mutant("cp-absent-piece-requires-grad", "all-gather CP: a rank without response rows builds its piece as a "
+        "fresh requires_grad=True tensor", ("entropy-coef-rule", "hang"),
+        "slime #2123 (training stuck on all-gather CP)", tp=(1, 2))
+class AbsentPieceRequiresGrad(Fused):
+    def cp_absent_piece(self, response_length, like):
+        return torch.zeros(response_length, dtype=like.dtype, device=like.device, requires_grad=True)
+
+
+@mutant("zigzag-offset-off-by-one", "zigzag CP: the second chunk's rows start one row late",
+        ("wrapper-extraction",), "slime #73 (a zigzag context-parallel offset)", tp=(1, 2))
+class ZigzagOffsetOffByOne(Fused):
+    def zigzag_bounds(self, length, cp_size, chunk):
+        s, e = super().zigzag_bounds(length, cp_size, chunk)
+        return (s + 1, e + 1) if chunk >= cp_size else (s, e)
+
+
+@mutant("cp-reduce-over-tp-group", "all-gather CP: the response pieces are summed over the TP group, not the "
+        "CP group", ("wrapper-extraction",), tp=(1, 2))
+class ReduceOverTPGroup(Fused):
+    def cp_reduce_group(self, cp_group, tp_group):
+        return tp_group
+
+
+@mutant("cp-reduce-over-world", "all-gather CP: the response pieces are summed over the world, not the CP group",
+        ("wrapper-extraction",), tp=(1, 2))
+class ReduceOverWorld(Fused):
+    def cp_reduce_group(self, cp_group, tp_group):
+        return dist.group.WORLD
+
+
+@mutant("top-p-mask-wrong-cp-layout", "CP: the top-p keep mask is built for the other CP layout's rows",
+        ("top-p-replay",), tp=(1, 2))
+class TopPMaskWrongLayout(Fused):
+    def cp_keep_mask(self, num_rows, v_local, rank, sample, k, top_p_token_ids, top_p_token_offsets, device,
+                     layout: CPLayout):
+        other = layout._replace(allgather=not layout.allgather)
+        s, pos = self.cp_rows(num_rows, other.total_lengths, other.size, other.rank, other.allgather, device)
+        s, pos = s[:num_rows], pos[:num_rows]  # the other layout may hold more rows: cut to the logits'
+        pad = num_rows - s.numel()
+        s = torch.cat([s, s.new_full((pad,), -1)])
+        pos = torch.cat([pos, pos.new_zeros(pad)])
+        k = self.cp_response_index(s, pos, other.total_lengths, other.response_lengths)
+        return super().cp_keep_mask(num_rows, v_local, rank, s, k, top_p_token_ids, top_p_token_offsets, device,
+                                    other)
+
+
+@mutant("world-rank-as-tp-rank", "the world rank taken for the TP rank (dist.get_rank() instead of "
+        "dist.get_rank(group=tp_group)): a wrong vocab shard offset in every TP group off world rank 0",
+        ("values", "wrapper-extraction"), tp=(2,))
+class WorldRankAsTPRank(Fused):
+    def group_info(self, tp_group):
+        group, world, _rank = super().group_info(tp_group)
+        if not (dist.is_available() and dist.is_initialized()):
+            return group, world, _rank
+        return group, world, dist.get_rank()
