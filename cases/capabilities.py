@@ -16,7 +16,9 @@ from cases.case import Case, KernelCase, LinearCase
 # with_entropy_grad=False (an entropy without autograd history). A routine without the last one
 # (verl's, TRL's: autograd alone decides) is run with with_entropy_grad=True wherever a case asks
 # for False, and `grad-flags` / `memory-metric-only` then have nothing of that kind to check.
-CAPABILITIES = ("entropy", "keep_mask", "metric_only_entropy")
+# allgather_cp: takes the all-gather CP layout (`args.allgather_cp`); a routine with only the
+# load-balanced (zigzag) one, NeMo-RL's, is given the same case in the zigzag layout.
+CAPABILITIES = ("entropy", "keep_mask", "metric_only_entropy", "allgather_cp")
 
 
 def needs(case: Case) -> set[str]:
@@ -28,6 +30,8 @@ def needs(case: Case) -> set[str]:
             out.add("metric_only_entropy")
     if getattr(case, "mask", "none") != "none" or getattr(case, "top_p", "none") != "none":
         out.add("keep_mask")
+    if getattr(case, "allgather_cp", False):
+        out.add("allgather_cp")
     return out
 
 
@@ -41,4 +45,6 @@ def fit(case: Case, supports: Callable[[str], bool]) -> Case:
             else case.replace(with_entropy=False)
     if "keep_mask" in needs(case) and not supports("keep_mask"):
         case = case.replace(mask="none") if isinstance(case, KernelCase) else case.replace(top_p="none")
+    if "allgather_cp" in needs(case) and not supports("allgather_cp"):
+        case = case.replace(cp_layout="zigzag")
     return case

@@ -1,4 +1,4 @@
-"""NeMo-RL's packed log-probs at TP x CP on gloo, through the `nemo_rl` peer adapter, against float64.
+"""NeMo-RL's log-probs at TP x CP on gloo, through the `nemo_rl` and `nemo_rl_unpacked` adapters, against float64.
 
 A standalone check of the adapter's CP mapping that needs none of the harness's CP plumbing: each
 world of tp x cp ranks initialises megatron-core's parallel_state with `context_parallel_size`, as
@@ -28,7 +28,9 @@ import torch.multiprocessing as mp
 import nemo_rl.distributed.model_utils  # noqa: F401  (imported once, before the ranks fork)
 from megatron.core import parallel_state as mpu
 
-from harness.targets.peers.nemo_rl import get_log_probs_and_entropy
+from harness.targets.peers import nemo_rl, nemo_rl_unpacked
+
+ADAPTERS = {"packed": nemo_rl.get_log_probs_and_entropy, "unpacked": nemo_rl_unpacked.get_log_probs_and_entropy}
 
 WORLDS = [(1, 2), (2, 2), (1, 4), (2, 4)]  # (tp, cp)
 # (total_lengths, response_lengths, chunk_size, temperature): responses wholly on one chunk, samples
@@ -96,7 +98,7 @@ def _rank(rank: int, tp: int, cp: int, port: int, shim: bool, grad: bool, failur
 
     mpu.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
     tp_rank, cp_rank = mpu.get_tensor_model_parallel_rank(), mpu.get_context_parallel_rank()
-    for i, case in enumerate(CASES):
+    for (i, case), (name, wrapper) in ((c, a) for c in enumerate(CASES) for a in ADAPTERS.items()):
         lengths, responses, chunk, temperature = case
         logits, tokens, weights = _global(case, tp, seed=i)
         per_row, w_row, ref_grad = _reference(logits, tokens, lengths, responses, weights, temperature)
@@ -108,14 +110,14 @@ def _rank(rank: int, tp: int, cp: int, port: int, shim: bool, grad: bool, failur
         args = SimpleNamespace(log_probs_chunk_size=chunk, allgather_cp=False, rollout_temperature=temperature)
         try:
             with torch.set_grad_enabled(grad):
-                _, res = get_log_probs_and_entropy(leaf.unsqueeze(0), args=args, unconcat_tokens=tokens,
+                _, res = wrapper(leaf.unsqueeze(0), args=args, unconcat_tokens=tokens,
                                                    total_lengths=lengths, response_lengths=responses)
             got = torch.cat(res["log_probs"]).double()
             # this rank's expected pieces: its local rows that are response rows, in local order
             mine = rows[rows >= 0]
             mine = mine[_is_response(mine, lengths, responses)]
             err = (got - per_row[mine]).abs().max().item() if got.numel() else 0.0
-            msg = f"tp={tp} cp={cp} rank={rank} case={i} grad={grad}: values err {err:.2e}"
+            msg = f"{name} tp={tp} cp={cp} rank={rank} case={i} grad={grad}: values err {err:.2e}"
             ok = got.shape == per_row[mine].shape and err < 1e-5
             if grad:
                 loss = (got.float() * w_row[mine].float()).sum()
@@ -125,7 +127,7 @@ def _rank(rank: int, tp: int, cp: int, port: int, shim: bool, grad: bool, failur
                 msg += f", grad err {gerr:.2e}"
                 ok = ok and gerr < 1e-5
         except Exception as e:  # the crash is the finding; keep the world in step
-            ok, msg = False, f"tp={tp} cp={cp} rank={rank} case={i} grad={grad}: {type(e).__name__}: {e}"
+            ok, msg = False, f"{name} tp={tp} cp={cp} rank={rank} case={i} grad={grad}: {type(e).__name__}: {e}"
         if not ok:
             failures.append(msg)
         print(("ok   " if ok else "FAIL ") + msg, flush=True)

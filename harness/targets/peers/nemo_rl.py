@@ -22,7 +22,7 @@ alone from a source tree on `PYTHONPATH` (`nemo_rl/__init__.py` needs no other p
 from __future__ import annotations
 
 import warnings
-from typing import Any, Sequence
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -98,14 +98,14 @@ def _zigzag_piece(row: torch.Tensor, first: int, end: int, padded: int, cp: int,
     return torch.cat(parts)
 
 
-def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, response_lengths,
-                              with_entropy=False, non_loss_data=True, top_p_token_ids=None,
-                              top_p_token_offsets=None):
-    """Level 2 wrapper over `from_parallel_logits_to_logprobs_packed_sequences`: TP and CP groups
-    from megatron-core's `parallel_state`, as NeMo-RL's Megatron policy worker takes them."""
+def wrapper_call(logits, args, unconcat_tokens, total_lengths, response_lengths, with_entropy, top_p_token_ids,
+                 top_p_token_offsets, sequence_rows: Callable[..., list[torch.Tensor]]):
+    """The contract's wrapper over one of NeMo-RL's log-prob functions: TP and CP groups from
+    megatron-core's `parallel_state`, as NeMo-RL's Megatron policy worker takes them.
+    `sequence_rows(x, tokens, lengths, padded, call)` returns, per sequence, its log-probs `row`
+    (`row[j]`: log p(token j + 1)), whole on every CP rank; `call` holds NeMo-RL's other arguments."""
     if with_entropy:
-        raise NotImplementedError("NeMo-RL's packed log-probs compute no entropy "
-                                  "(HARNESS_CAPABILITIES['entropy'] is False)")
+        raise NotImplementedError("NeMo-RL's log-probs compute no entropy (HARNESS_CAPABILITIES['entropy'] is False)")
     if top_p_token_ids is not None or top_p_token_offsets is not None:
         raise NotImplementedError("NeMo-RL has no top-p replay in slime's encoding "
                                   "(HARNESS_CAPABILITIES['keep_mask'] is False)")
@@ -115,43 +115,52 @@ def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, r
     if logits.dim() != 3 or logits.shape[0] != 1:
         raise ValueError(f"logits must be [1, T, V_local], got {tuple(logits.shape)}")
     from megatron.core import parallel_state as mpu
-    from nemo_rl.distributed.model_utils import from_parallel_logits_to_logprobs_packed_sequences
 
-    tp_group = parallel_state_group(None, "NeMo-RL's Megatron policy worker")
     cp = mpu.get_context_parallel_world_size()
-    cp_rank = mpu.get_context_parallel_rank()
     lengths = [int(n) for n in total_lengths]
     padded = [_padded(n, cp) for n in lengths]
     temperature = getattr(args, "rollout_temperature", None)
     # NeMo-RL's worker divides its own model output in place (`logits.div_`); here the logits are
     # the caller's, which the contract keeps intact, so the division is out of place.
     x = logits if temperature is None or float(temperature) == 1.0 else logits / float(temperature)
-    target = _packed_targets(unconcat_tokens, lengths, padded, logits.device)
-    cu_seqlens_padded = torch.tensor([0, *torch.tensor(padded, dtype=torch.long).cumsum(0).tolist()],
-                                     dtype=torch.int32, device=logits.device)
     chunk = getattr(args, "log_probs_chunk_size", None)
-    v_local = x.shape[-1]
-    start = mpu.get_tensor_model_parallel_rank() * v_local
-    out = from_parallel_logits_to_logprobs_packed_sequences(
-        x, target, cu_seqlens_padded, max(lengths, default=1), start, start + v_local, tp_group,
-        inference_only=_inference_only(logits), cp_group=mpu.get_context_parallel_group() if cp > 1 else None,
-        chunk_size=int(chunk) if chunk is not None and int(chunk) > 0 else None)
-    # out[i, j]: log p(token j + 1 of sequence i); its response rows are L - R - 1 .. L - 2.
+    start = mpu.get_tensor_model_parallel_rank() * x.shape[-1]
+    call = dict(vocab_start_index=start, vocab_end_index=start + x.shape[-1],
+                inference_only=_inference_only(logits),
+                cp_group=mpu.get_context_parallel_group() if cp > 1 else None,
+                chunk_size=int(chunk) if chunk is not None and int(chunk) > 0 else None)
+    tokens = [torch.as_tensor(t, device=logits.device).reshape(-1).to(torch.long) for t in unconcat_tokens]
+    for toks, n in zip(tokens, lengths):
+        if toks.numel() != n:
+            raise ValueError(f"sample has {toks.numel()} tokens, total_length says {n}")
+    rows = sequence_rows(x, tokens, lengths, padded, call)
     pieces = []
-    for i, (n, r, p) in enumerate(zip(lengths, response_lengths, padded)):
-        first, end = (n - int(r) - 1, n - 1) if int(r) > 0 else (0, 0)
-        pieces.append(_zigzag_piece(out[i], first, end, p, cp, cp_rank))
+    for row, n, r, p in zip(rows, lengths, response_lengths, padded):
+        first, end = (n - int(r) - 1, n - 1) if int(r) > 0 else (0, 0)  # the response's rows
+        pieces.append(_zigzag_piece(row, first, end, p, cp, mpu.get_context_parallel_rank()))
     return torch.empty(0, device=logits.device), {"log_probs": pieces}
 
 
-def _packed_targets(unconcat_tokens: Sequence[Any], lengths: list[int], padded: list[int],
-                    device: torch.device) -> torch.Tensor:
-    """[1, sum(padded)]: every sequence's tokens, padded with 0 to its padded length, unrolled
-    (NeMo-RL rolls each sequence itself)."""
-    parts = []
-    for toks, n, p in zip(unconcat_tokens, lengths, padded):
-        toks = torch.as_tensor(toks, device=device).reshape(-1).to(torch.long)
-        if toks.numel() != n:
-            raise ValueError(f"sample has {toks.numel()} tokens, total_length says {n}")
-        parts.append(torch.nn.functional.pad(toks, (0, p - n)))
-    return (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)).unsqueeze(0)
+def _packed_rows(x: torch.Tensor, tokens: list[torch.Tensor], lengths: list[int], padded: list[int],
+                 call: dict) -> list[torch.Tensor]:
+    """One call of `from_parallel_logits_to_logprobs_packed_sequences` on the whole packed batch:
+    targets unrolled, each sequence padded with 0 to its padded length (NeMo-RL rolls and CP-shards
+    them itself), `cu_seqlens_padded` the padded boundaries."""
+    from nemo_rl.distributed.model_utils import from_parallel_logits_to_logprobs_packed_sequences
+
+    target = torch.cat([torch.nn.functional.pad(t, (0, p - n)) for t, n, p in zip(tokens, lengths, padded)]
+                       or [torch.zeros(0, dtype=torch.long, device=x.device)]).unsqueeze(0)
+    cu_seqlens_padded = torch.tensor([0, *torch.tensor(padded, dtype=torch.long).cumsum(0).tolist()],
+                                     dtype=torch.int32, device=x.device)
+    tp_group = parallel_state_group(None, "NeMo-RL's Megatron policy worker")
+    out = from_parallel_logits_to_logprobs_packed_sequences(x, target, cu_seqlens_padded, max(lengths, default=1),
+                                                            group=tp_group, **call)
+    return list(out)  # out[i, j]: log p(token j + 1 of sequence i)
+
+
+def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, response_lengths,
+                              with_entropy=False, non_loss_data=True, top_p_token_ids=None,
+                              top_p_token_offsets=None):
+    """Level 2 wrapper over `from_parallel_logits_to_logprobs_packed_sequences`."""
+    return wrapper_call(logits, args, unconcat_tokens, total_lengths, response_lengths, with_entropy,
+                        top_p_token_ids, top_p_token_offsets, _packed_rows)
