@@ -32,8 +32,8 @@ from harness.targets.peers._mpu import parallel_state_group
 HARNESS_CAPABILITIES = {"entropy": False, "keep_mask": False, "allgather_cp": False}
 HARNESS_PEER = dict(
     requires=("nemo_rl.distributed.model_utils",),
-    install="git clone https://github.com/NVIDIA-NeMo/RL nemo-rl && export PYTHONPATH=$PWD/nemo-rl "
-            "(the source tree; torch alone runs model_utils on CPU)",
+    install="put a NeMo-RL source tree on PYTHONPATH: git clone https://github.com/NVIDIA-NeMo/RL nemo-rl "
+            "&& export PYTHONPATH=$PWD/nemo-rl:$PYTHONPATH (torch alone runs its model_utils on CPU)",
     upstream=("nemo_rl.distributed.model_utils.from_parallel_logits_to_logprobs_packed_sequences",
               "nemo_rl.distributed.model_utils.DistributedLogprob",
               "nemo_rl.distributed.model_utils.ChunkedDistributedLogprob"))
