@@ -16,9 +16,10 @@ from cases.case import Case, KernelCase, LinearCase
 # with_entropy_grad=False (an entropy without autograd history). A routine without the last one
 # (verl's, TRL's: autograd alone decides) is run with with_entropy_grad=True wherever a case asks
 # for False, and `grad-flags` / `memory-metric-only` then have nothing of that kind to check.
-# allgather_cp: takes the all-gather CP layout (`args.allgather_cp`); a routine with only the
-# load-balanced (zigzag) one, NeMo-RL's, is given the same case in the zigzag layout.
-CAPABILITIES = ("entropy", "keep_mask", "metric_only_entropy", "allgather_cp")
+# context_parallel: the wrapper takes CP > 1 (docs/context-parallel.md); a routine without it runs
+# its wrapper cases at CP 1. allgather_cp: it takes the all-gather CP layout (`args.allgather_cp`);
+# a routine with only the load-balanced (zigzag) one, NeMo-RL's, is given the case in that layout.
+CAPABILITIES = ("entropy", "keep_mask", "metric_only_entropy", "context_parallel", "allgather_cp")
 
 
 def needs(case: Case) -> set[str]:
@@ -30,6 +31,8 @@ def needs(case: Case) -> set[str]:
             out.add("metric_only_entropy")
     if getattr(case, "mask", "none") != "none" or getattr(case, "top_p", "none") != "none":
         out.add("keep_mask")
+    if getattr(case, "cp", 1) > 1:
+        out.add("context_parallel")
     if getattr(case, "allgather_cp", False):
         out.add("allgather_cp")
     return out
@@ -43,8 +46,10 @@ def fit(case: Case, supports: Callable[[str], bool]) -> Case:
     if case.with_entropy and not supports("entropy"):
         case = case.replace(with_entropy=False, loss_terms="both") if isinstance(case, (KernelCase, LinearCase)) \
             else case.replace(with_entropy=False)
-    if "keep_mask" in needs(case) and not supports("keep_mask"):
-        case = case.replace(mask="none") if isinstance(case, KernelCase) else case.replace(top_p="none")
+    if "context_parallel" in needs(case) and not supports("context_parallel"):
+        case = case.replace(cp=1, cp_layout="zigzag")
     if "allgather_cp" in needs(case) and not supports("allgather_cp"):
         case = case.replace(cp_layout="zigzag")
+    if "keep_mask" in needs(case) and not supports("keep_mask"):
+        case = case.replace(mask="none") if isinstance(case, KernelCase) else case.replace(top_p="none")
     return case

@@ -30,7 +30,8 @@ class Profile:
 
 
 PROFILES = {
-    "smoke": Profile("smoke", kernel_cases=12, wrapper_cases=5, pytest_examples=4, linear_cases=4),
+    "smoke": Profile("smoke", kernel_cases=12, wrapper_cases=5, pytest_examples=4, linear_cases=4,
+                     cp_wrapper_cases=2),  # CP only when asked for (--cp)
     "ci": Profile("ci", kernel_cases=150, wrapper_cases=40, pytest_examples=8,
                   dp_tp=(2,), dp_kernel_cases=24, dp_wrapper_cases=6, linear_cases=30,
                   cp_sizes=(2,), cp_wrapper_cases=8),

@@ -1,8 +1,11 @@
 """Level-2 checks of `get_log_probs_and_entropy`, the loss-side wrapper of slime PR #2153."""
 from __future__ import annotations
 
+import torch
+
 from cases.case import WrapperCase
 from harness.checks import Evidence, check
+from reference.cp import response_positions
 
 WRAPPER = ("wrapper",)
 
@@ -105,6 +108,33 @@ def wrapper_gradients(ev: Evidence) -> list[str]:
             problems.append(f"no gradient reached the logits{' (' + where + ')' if where else ''}")
             continue
         problems += ev.compare(grad, exp.grad, exp.grad_tol, what)
+    return problems
+
+
+@check("cp-invariance", levels=WRAPPER, applies=lambda c, t: c.cp > 1 and sum(c.response_lengths) > 0,
+       twin=lambda c: c.replace(cp=1, cp_layout="zigzag") if c.cp > 1 else None, needs="forward")
+def cp_invariance(ev: Evidence) -> list[str]:
+    """The same global case at CP 1: every sample's response, re-assembled from the CP ranks' zigzag
+    pieces (TP rank 0 of replica 0 at each CP rank), agrees with it within twice the derived bound
+    (each side carries its own float32 error)."""
+    c: WrapperCase = ev.case
+    twin, exp = ev.twins["cp-invariance"], ev.expected
+    pieces = [r for r in ev.ranks if r.replica == 0 and r.rank == 0]
+    problems = []
+    for key in ("log_prob", "entropy"):
+        base, bounds = getattr(twin.obs(), key), getattr(exp, f"{key}_tol")
+        if base is None or bounds is None or len(base) != len(bounds):
+            continue
+        for i, (L, R) in enumerate(zip(c.total_lengths, c.response_lengths)):
+            whole = torch.full((R,), float("nan"), dtype=torch.float64)
+            for r in pieces:
+                got, pos = getattr(r.obs, key), response_positions(L, R, c.cp, r.cp_rank)
+                if got is None or len(got) != len(base) or got[i].numel() != len(pos):
+                    return problems  # malformed pieces are wrapper-extraction's
+                whole[pos] = got[i].detach().to(torch.float64).reshape(-1)
+            if base[i].numel() == R:
+                problems += ev.compare(whole, base[i].to(torch.float64).reshape(-1), 2 * bounds[i],
+                                       f"sample {i} {key} (CP {c.cp} {c.cp_layout}, re-assembled) vs CP 1")
     return problems
 
 

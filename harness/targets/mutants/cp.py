@@ -19,7 +19,7 @@ class AbsentPieceRequiresGrad(Fused):
 
 
 @mutant("zigzag-offset-off-by-one", "zigzag CP: the second chunk's rows start one row late",
-        ("wrapper-extraction",), "slime #73 (a zigzag context-parallel offset)", tp=(1, 2))
+        ("wrapper-extraction", "cp-invariance"), "slime #73 (a zigzag context-parallel offset)", tp=(1, 2))
 class ZigzagOffsetOffByOne(Fused):
     def zigzag_bounds(self, length, cp_size, chunk):
         s, e = super().zigzag_bounds(length, cp_size, chunk)
