@@ -13,8 +13,11 @@ sequence padded to a multiple of 2 * cp, cut into 2 * cp chunks, rank r holding 
 harness's local logits go to NeMo-RL as they are, with `cu_seqlens_padded` the padded sequence
 boundaries. NeMo-RL all-gathers the log-probs over the CP group (`AllGatherCPTensor`) and returns
 the whole sequence on every CP rank; the adapter hands back this rank's zigzag pieces of each
-response, as the contract asks. It has no all-gather (contiguous) CP layout: `allgather_cp` cases
-are refused, and `HARNESS_CAPABILITIES["allgather_cp"]` says so.
+response, as the contract asks. It has no all-gather (contiguous) CP layout: with
+`HARNESS_CAPABILITIES["allgather_cp"]` False the harness gives it such cases in the zigzag layout,
+and a call with `args.allgather_cp` set is refused. Its CP backward moves an index to CUDA, so a CPU
+run checks the CP forward only (the known file says why). `nemo_rl_unpacked` is the same wrapper
+over `from_parallel_logits_to_logprobs`.
 
 NeMo-RL is not on the package index in a usable version; the module imports on CPU with torch
 alone from a source tree on `PYTHONPATH` (`nemo_rl/__init__.py` needs no other package).
