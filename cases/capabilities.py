@@ -18,7 +18,10 @@ from cases.case import Case, KernelCase, LinearCase
 # for False, and `grad-flags` / `memory-metric-only` then have nothing of that kind to check.
 # top_p: the wrapper takes the top-p replay arguments (slime's before PR #2102 does not); without
 # it, wrapper cases run without a recorded nucleus.
-CAPABILITIES = ("entropy", "keep_mask", "metric_only_entropy", "top_p")
+# context_parallel: the wrapper takes CP > 1 (docs/context-parallel.md); a routine without it runs
+# its wrapper cases at CP 1. allgather_cp: it takes the all-gather CP layout (`args.allgather_cp`);
+# a routine with only the load-balanced (zigzag) one, NeMo-RL's, is given the case in that layout.
+CAPABILITIES = ("entropy", "keep_mask", "metric_only_entropy", "top_p", "context_parallel", "allgather_cp")
 
 
 def needs(case: Case) -> set[str]:
@@ -32,6 +35,10 @@ def needs(case: Case) -> set[str]:
         out.add("keep_mask")
     if getattr(case, "top_p", "none") != "none":
         out.add("top_p")
+    if getattr(case, "cp", 1) > 1:
+        out.add("context_parallel")
+    if getattr(case, "allgather_cp", False):
+        out.add("allgather_cp")
     return out
 
 
@@ -43,6 +50,10 @@ def fit(case: Case, supports: Callable[[str], bool]) -> Case:
     if case.with_entropy and not supports("entropy"):
         case = case.replace(with_entropy=False, loss_terms="both") if isinstance(case, (KernelCase, LinearCase)) \
             else case.replace(with_entropy=False)
+    if "context_parallel" in needs(case) and not supports("context_parallel"):
+        case = case.replace(cp=1, cp_layout="zigzag")
+    if "allgather_cp" in needs(case) and not supports("allgather_cp"):
+        case = case.replace(cp_layout="zigzag")
     wants = needs(case)
     if isinstance(case, KernelCase) and "keep_mask" in wants and not supports("keep_mask"):
         case = case.replace(mask="none")

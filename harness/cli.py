@@ -176,7 +176,8 @@ def cmd_check(ns: argparse.Namespace, cfg: RunConfig) -> int:
             for note in runner.target.fit_notes():
                 say(note)
             findings = run_corpus(runner, cfg.tp, say, limits=limits)
-            for level, tps, n, dp, cp in plan(profile, runner.target.levels, cfg.tp, torchrun.active(), cfg.cp):
+            cp_sizes = cfg.cp if runner.target.supports("context_parallel") else []
+            for level, tps, n, dp, cp in plan(profile, runner.target.levels, cfg.tp, torchrun.active(), cp_sizes):
                 if limits.reached():
                     break
                 say(f"{level}: {n} randomized cases over TP {tps}" + (f" inside a world of DP {dp} replicas" if dp > 1 else "")

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cases.case import KernelCase, LinearCase, parse_case
+from cases.case import KernelCase, LinearCase, WrapperCase, parse_case
 from harness.engine.explorer import strategy_for
 from harness.engine.runner import Runner
 from harness.errors import TargetError
@@ -37,6 +37,9 @@ CLEAN = [KernelCase(tp=tp, T=7, v_local=5, regime=regime, chunk_size=chunk, with
 # Cross-Entropy) compiles for few shapes.
 CLEAN += [LinearCase(tp=tp, T=T, H=16, v_local=8, regime=regime, chunk_size=chunk, with_entropy=ent, seed=41 * tp + T)
           for tp in (1, 2) for T, regime, chunk, ent in [(7, "normal", -1, True), (9, "peaked", 4, False)]]
+# And at the wrapper level (the NeMo-RL peers), packed batches at TP 1 and 2, chunked and not.
+CLEAN += [WrapperCase(tp=tp, v_local=6, total_lengths=(5, 8), response_lengths=(2, 5), chunk_size=chunk, seed=tp)
+          for tp, chunk in ((1, -1), (2, 4))]
 # One case per known finding, with the check that must report it: the finding is real and shows.
 WITNESSES: dict[str, list[tuple[str, str]]] = {
     "megatron": [("kernel:tp=2,T=5,v_local=4,with_entropy=0,seed=1594", "input-integrity"),
@@ -53,6 +56,14 @@ WITNESSES: dict[str, list[tuple[str, str]]] = {
     "verl_fused_linear": [("linear:tp=1,T=6,H=16,v_local=7,dtype=bf16,seed=3", "shapes-dtypes"),
                           ("linear:tp=1,T=6,H=64,v_local=7,dtype=fp16,regime=wide,chunk_size=9,seed=964", "values")],
     "cce": [("linear:tp=2,T=7,H=16,v_local=8,dtype=bf16,regime=wide,seed=7", "values")],
+    "nemo_rl": [("kernel:tp=2,T=5,v_local=4,with_entropy=0,seed=1,layout=transposed", "crash"),
+                ("wrapper:tp=1,v_local=3,total_lengths=3/6,response_lengths=2/2,temperature=1.3,with_entropy=0,"
+                 "layout=transposed", "crash"),
+                ("kernel:tp=1,T=0,v_local=4,with_entropy=0,chunk_size=2", "empty-input"),
+                ("wrapper:tp=1,v_local=5,total_lengths=6/4,response_lengths=3/2,with_entropy=0,cp=2", "crash")],
+    "nemo_rl_unpacked": [("wrapper:tp=2,v_local=3,total_lengths=4/6,response_lengths=2/3,with_entropy=0,"
+                          "layout=transposed", "crash"),
+                         ("wrapper:tp=1,v_local=5,total_lengths=6/4,response_lengths=3/2,with_entropy=0,cp=2", "crash")],
     "trl": [("kernel:tp=2,T=6,v_local=5,regime=neginf,seed=1", "finite"),
             ("kernel:tp=1,T=4,v_local=8,dtype=bf16,seed=2", "shapes-dtypes"),
             ("kernel:tp=1,T=0,v_local=4", "empty-input")],
@@ -87,7 +98,7 @@ def _explained(runner: Runner, case) -> set[str]:
 def test_every_adapter_loads_and_declares_itself() -> None:
     """On any machine (peers imported lazily), with what `harness peers` needs to list it."""
     assert {"megatron", "megatron_fused", "verl", "verl_chunked", "trl", "liger", "verl_fused_linear", "cce",
-            "verl_linear_ce"} <= set(PEERS)
+            "verl_linear_ce", "nemo_rl", "nemo_rl_unpacked"} <= set(PEERS)
     for peer in PEERS.values():
         target = load_target(peer.spec)
         assert target.levels and peer.upstream and peer.install and peer.summary
@@ -178,6 +189,54 @@ def test_megatron_float32_logits_are_overwritten(harness_pools) -> None:
         assert bool(findings) == mutated, dtype
         if mutated:
             assert "values changed after forward" in findings[0].message
+
+
+NEMO_RL = "harness.targets.peers.nemo_rl"
+
+
+def test_nemo_rl_declares_what_it_does_not_claim_and_how_to_enable_it() -> None:
+    """Loads without NeMo-RL (imported lazily); log-probs only, zigzag CP only; `harness peers`
+    says how to put a NeMo-RL tree on PYTHONPATH when it is absent."""
+    from dataclasses import replace
+
+    from cases.capabilities import fit
+    from harness.peer_matrix import _why_not
+    from harness.targets.peers.nemo_rl import calculate_log_probs_and_entropy, get_log_probs_and_entropy
+
+    target = load_target(NEMO_RL)
+    assert target.levels == ("kernel", "wrapper")
+    assert not any(target.supports(c) for c in ("entropy", "keep_mask", "allgather_cp"))
+    allgather = WrapperCase(tp=1, v_local=4, total_lengths=(5,), response_lengths=(2,), cp=2, cp_layout="allgather")
+    assert fit(allgather, target.supports) == allgather.replace(cp_layout="zigzag", with_entropy=False)
+    absent = replace(PEERS["nemo_rl"], requires=("nemo_rl_absent_for_this_test.distributed",))
+    assert "PYTHONPATH" in _why_not(absent, "cpu")
+    with pytest.raises(NotImplementedError, match="computes? no entropy"):
+        calculate_log_probs_and_entropy(None, None, None, with_entropy=True)
+    with pytest.raises(NotImplementedError, match="load-balanced"):
+        get_log_probs_and_entropy(None, args=SimpleNamespace(allgather_cp=True), unconcat_tokens=[],
+                                  total_lengths=[], response_lengths=[])
+
+
+@pytest.mark.distributed
+def test_nemo_rl_wrappers_give_the_oracle_s_pieces(harness_pools) -> None:
+    """Both NeMo-RL wrappers (packed, and unpacked one sequence per call) through their adapters: right log-probs and gradients of every response, at
+    TP 1 and 2, chunked and not, with a temperature, a length-1 prompt and an empty response, on
+    the training path and under no_grad; and each CP rank's zigzag pieces at CP 2 and 4 under
+    no_grad (NeMo-RL's CP backward needs CUDA), with samples shorter than 2 * cp and responses
+    wholly on one rank's chunks. Nothing at all is found on these contiguous inputs."""
+    cases = [WrapperCase(tp=tp, v_local=5, total_lengths=lengths, response_lengths=responses, chunk_size=chunk,
+                         temperature=temp, with_entropy=False, context=context, seed=7 * tp + i)
+             for tp in (1, 2) for i, (lengths, responses, chunk, temp, context) in enumerate([
+                 ((6, 2, 9), (3, 1, 0), -1, None, "train"), ((5, 7), (4, 2), 3, 0.7, "train"),
+                 ((4, 3), (2, 2), 2, 1.3, "no_grad")])]
+    cases += [WrapperCase(tp=tp, v_local=5, total_lengths=(9, 3, 2, 12), response_lengths=(4, 1, 0, 2),
+                          chunk_size=chunk, with_entropy=False, context="no_grad", cp=cp, seed=cp + tp)
+              for tp, cp, chunk in ((1, 2, -1), (2, 2, 3), (1, 4, 2))]
+    for name in ("nemo_rl", "nemo_rl_unpacked"):
+        runner = _runner(harness_pools, name)
+        for case in cases:
+            _, findings = runner.check(case)
+            assert not findings and not runner.known_findings, f"{name}: {case.spec()}"
 
 
 def test_matrix_cells_say_pass_known_new_and_why_not() -> None:

@@ -133,12 +133,18 @@ def cp_invariance(ev: Evidence) -> list[str]:
             whole = torch.full((R,), float("nan"), dtype=torch.float64)
             for r in pieces:
                 got, pos = getattr(r.obs, key), response_positions(L, R, c.cp, r.cp_rank)
-                if got is None or len(got) != len(base) or got[i].numel() != len(pos):
-                    return problems  # malformed pieces are wrapper-extraction's
+                if got is None or len(got) != len(base):
+                    return problems  # no per-sample list to re-assemble: wrapper-extraction's
+                if got[i].numel() != len(pos):
+                    problems.append(f"sample {i} {key}: {r.name} returned {got[i].numel()} values where its zigzag "
+                                    f"chunks hold {len(pos)} of the {R} response positions: the CP pieces do not "
+                                    f"re-assemble into the response")
+                    break
                 whole[pos] = got[i].detach().to(torch.float64).reshape(-1)
-            if base[i].numel() == R:
-                problems += ev.compare(whole, base[i].to(torch.float64).reshape(-1), 2 * bounds[i],
-                                       f"sample {i} {key} (CP {c.cp} {c.cp_layout}, re-assembled) vs CP 1")
+            else:
+                if base[i].numel() == R:
+                    problems += ev.compare(whole, base[i].to(torch.float64).reshape(-1), 2 * bounds[i],
+                                           f"sample {i} {key} (CP {c.cp} {c.cp_layout}, re-assembled) vs CP 1")
     return problems
 
 

@@ -8,8 +8,10 @@ namespace by name. A module provides the kernel, the wrapper, the fused-linear r
 (docs/fused-linear.md), or any of them, under the contract's names. Optional module attributes describe it further:
 
 - `HARNESS_CAPABILITIES`: dict overriding `{"entropy": True, "keep_mask": True,
-  "metric_only_entropy": True, "top_p": True, "cpu": True, "eager": True, "tensor_parallel": True}` for a routine
-  that computes no entropy, takes no keep mask or ignores `with_entropy_grad=False` (cases needing
+  "metric_only_entropy": True, "top_p": True, "cpu": True, "eager": True, "tensor_parallel": True,
+  "context_parallel": True, "allgather_cp": True}` for a routine
+  that computes no entropy, takes no keep mask, ignores `with_entropy_grad=False`, or whose wrapper
+  takes no top-p replay, no context parallelism or no all-gather CP layout (cases needing
   it are fitted to what it does, and the summary says so: `cases.capabilities`); that runs only on
   CUDA (`"cpu": False`: a CPU run refuses it with that reason, a pytest session skips it); that is
   compiled with torch.compile (`"eager": False`: the memory meter's Python dispatch mode would turn

@@ -1,8 +1,9 @@
-"""A routine that declares it computes no entropy and takes no keep mask, and raises if it is asked
-for either: any case-making path that ignores a declared capability shows up as a crash."""
+"""A routine that declares it computes no entropy, takes no keep mask and no context parallelism,
+and raises if it is asked for any: a case-making path that ignores a declared capability shows up
+as a crash."""
 from harness.targets import fused
 
-HARNESS_CAPABILITIES = {"entropy": False, "keep_mask": False}
+HARNESS_CAPABILITIES = {"entropy": False, "keep_mask": False, "context_parallel": False}
 
 
 def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
@@ -14,7 +15,8 @@ def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False
 
 def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, response_lengths,
                               with_entropy=False, non_loss_data=True, top_p_token_ids=None, top_p_token_offsets=None):
-    if with_entropy or top_p_token_ids is not None:
-        raise NotImplementedError("this routine computes no entropy and takes no top-p replay")
+    if with_entropy or top_p_token_ids is not None or getattr(args, "allgather_cp", False) \
+            or fused.ROUTINE.cp_info()[0] > 1:
+        raise NotImplementedError("this routine computes no entropy and takes no top-p replay or CP")
     return fused.get_log_probs_and_entropy(logits, args=args, unconcat_tokens=unconcat_tokens,
                                            total_lengths=total_lengths, response_lengths=response_lengths)

@@ -1,0 +1,50 @@
+"""NeMo-RL's unpacked TP x CP log-probs, `from_parallel_logits_to_logprobs`, one sequence per call.
+
+As the `nemo_rl` adapter (same groups, layout, capabilities and pieces), through the function
+NeMo-RL's Megatron worker calls when sequence packing is off: `[batch, seq // cp, V_local]` logits
+in the load-balanced CP layout, unshifted `[batch, seq]` targets that it rolls, pads to
+`seq // cp * cp` and CP-shards itself, and the whole `[batch, seq - 1]` log-probs on every CP rank.
+NeMo-RL pads every sequence of a batch to one length; the contract's rows are each sequence padded
+to its own multiple of 2 * cp, so the adapter calls it once per sequence (a batch of one) on that
+sequence's rows, a view of the caller's logits. It has no kernel level of its own: the functions
+it dispatches to are the `nemo_rl` adapter's kernel.
+"""
+from __future__ import annotations
+
+import torch
+
+from harness.targets.peers import nemo_rl as packed
+from harness.targets.peers._mpu import parallel_state_group
+
+HARNESS_CAPABILITIES = packed.HARNESS_CAPABILITIES
+
+HARNESS_PEER = dict(
+    requires=("nemo_rl.distributed.model_utils",),
+    install="put a NeMo-RL source tree on PYTHONPATH: git clone https://github.com/NVIDIA-NeMo/RL nemo-rl "
+            "&& export PYTHONPATH=$PWD/nemo-rl:$PYTHONPATH (torch alone runs its model_utils on CPU)",
+    upstream=("nemo_rl.distributed.model_utils.from_parallel_logits_to_logprobs",))
+
+
+def _per_sequence_rows(x: torch.Tensor, tokens: list[torch.Tensor], lengths: list[int], padded: list[int],
+                       call: dict) -> list[torch.Tensor]:
+    from megatron.core import parallel_state as mpu
+    from nemo_rl.distributed.model_utils import from_parallel_logits_to_logprobs
+
+    cp = mpu.get_context_parallel_world_size()
+    tp_group = parallel_state_group(None, "NeMo-RL's Megatron policy worker")
+    rows, offset = [], 0
+    for toks, p in zip(tokens, padded):
+        local = p // cp  # this rank's rows of the sequence: its two chunks under CP
+        out = from_parallel_logits_to_logprobs(x[:, offset:offset + local], toks.unsqueeze(0), tp_group=tp_group,
+                                               **call)
+        rows.append(out[0])  # out[0, j]: log p(token j + 1)
+        offset += local
+    return rows
+
+
+def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, response_lengths,
+                              with_entropy=False, non_loss_data=True, top_p_token_ids=None,
+                              top_p_token_offsets=None):
+    """Level 2 wrapper over `from_parallel_logits_to_logprobs`, a batch of one sequence per call."""
+    return packed.wrapper_call(logits, args, unconcat_tokens, total_lengths, response_lengths, with_entropy,
+                        top_p_token_ids, top_p_token_offsets, _per_sequence_rows)

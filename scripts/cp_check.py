@@ -1,0 +1,41 @@
+"""Only the context-parallel part of `harness check`: the CP corpus entries, then N randomized wrapper
+cases per CP size over TP 1 and 2 (both layouts drawn), with a known-findings file. What
+docs/context-parallel.md and docs/real-routines.md measure:
+
+    PYTHONPATH=.:path/to/slime python scripts/cp_check.py slime.backends.megatron_utils.loss 80 \\
+        docs/examples/slime-known.toml
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+from cases.corpus import CORPUS
+from harness.engine.explorer import explore
+from harness.engine.runner import Runner
+from harness.known import load
+
+
+def main(target: str, n: int, cp_sizes: list[int], known: str | None = None) -> int:
+    runner = Runner(target)
+    if known:
+        runner.known = load(known)
+    start, findings = time.perf_counter(), []
+    try:
+        for entry in CORPUS:
+            if getattr(entry.case, "cp", 1) > 1:
+                findings += runner.check(entry.case)[1]
+        for cp in cp_sizes:
+            findings += explore(runner, "wrapper", [1, 2], n, 0, shrink=True, cp=cp)
+    finally:
+        runner.close()
+    for f in findings:
+        print(f"FINDING [{f.check}] {f.case}: {f.message[:500]}")
+    print(f"{runner.cases_run} case runs in {time.perf_counter() - start:.1f} s, {len(findings)} finding(s), "
+          f"{len(runner.known_findings)} known")
+    return 1 if findings else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], int(sys.argv[2]), [int(c) for c in sys.argv[3].split(",")],
+                  sys.argv[4] if len(sys.argv) > 4 else None))
