@@ -17,7 +17,8 @@ from harness.checks import Check, all_checks
 from harness.report.render import environment
 
 CAPABILITY_WORDS = {"entropy": "no entropy", "keep_mask": "no keep mask",
-                    "metric_only_entropy": "no metric-only entropy flag", "top_p": "no top-p replay"}
+                    "metric_only_entropy": "no metric-only entropy flag", "top_p": "no top-p replay",
+                    "context_parallel": "no context parallelism", "allgather_cp": "no all-gather CP layout"}
 
 
 def family(chk: Check) -> str:
