@@ -47,6 +47,7 @@ WITNESSES: dict[str, list[tuple[str, str]]] = {
     "verl": [("kernel:tp=2,T=6,v_local=5,regime=neginf,seed=1", "finite"),
              ("kernel:tp=1,T=4,v_local=8,dtype=bf16,seed=2", "shapes-dtypes"),
              ("kernel:tp=2,T=4,v_local=8,seed=3", "input-integrity"),
+             ("kernel:tp=1,T=5,v_local=4,with_entropy=0,seed=1,context=accumulate", "gradients"),
              ("kernel:tp=1,T=4,v_local=8,seed=4,context=two_calls", "crash")],
     "verl_chunked": [("kernel:tp=1,T=5,v_local=8,chunk_size=2,seed=5", "crash"),
                      ("kernel:tp=2,T=0,v_local=4", "grad-flags")],
