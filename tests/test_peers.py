@@ -50,6 +50,7 @@ WITNESSES: dict[str, list[tuple[str, str]]] = {
              ("kernel:tp=1,T=5,v_local=4,with_entropy=0,seed=1,context=accumulate", "gradients"),
              ("kernel:tp=1,T=4,v_local=8,seed=4,context=two_calls", "crash")],
     "verl_chunked": [("kernel:tp=1,T=5,v_local=8,chunk_size=2,seed=5", "crash"),
+                     ("kernel:tp=1,T=5,v_local=4,with_entropy=0,seed=1,context=accumulate", "gradients"),
                      ("kernel:tp=2,T=0,v_local=4", "grad-flags")],
     "verl_fused_linear": [("linear:tp=1,T=6,H=16,v_local=7,dtype=bf16,seed=3", "shapes-dtypes"),
                           ("linear:tp=1,T=6,H=64,v_local=7,dtype=fp16,regime=wide,chunk_size=9,seed=964", "values")],
