@@ -86,5 +86,9 @@ def test_pool_workers_forked_before_the_file_existed_resolve_it(tmp_path, harnes
 
 
 def test_a_missing_file_is_a_one_line_error(tmp_path, capsys):
-    assert main(["repro", "--target", str(tmp_path / "nope.py"), "kernel:tp=1,T=1,v_local=1"]) == 2
+    """`check` refuses it (exit 2); `repro` calls it untestable (exit 125), so that `git bisect run`
+    skips a commit on which the routine's file does not exist yet."""
+    assert main(["check", "--target", str(tmp_path / "nope.py"), "--profile", "smoke"]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(["repro", "--target", str(tmp_path / "nope.py"), "kernel:tp=1,T=1,v_local=1"]) == 125
     assert "no such file" in capsys.readouterr().err

@@ -20,6 +20,7 @@ from cases.corpus import CORPUS
 from cases.profiles import Profile, explore_settings
 from cases.case import Case
 from cases.strategies import LEVEL_STRATEGIES
+from harness.engine import torchrun
 from harness.engine.limits import HANG_SHRINK_BUDGET_S, HANG_SHRINK_MAX_CASES, RunLimits, hung
 from harness.engine.runner import Runner
 from harness.findings import Finding
@@ -55,6 +56,10 @@ def run_corpus(runner: Runner, tps: Iterable[int], progress: Callable[[str], Non
             continue
         if case.tp not in tps:
             case = case.replace(tp=tps[-1])
+        if getattr(case, "cp", 1) > 1 and torchrun.active():
+            progress(f"corpus {entry.name}: skipped (a launched world has no context-parallel groups: "
+                     f"run CP cases without the launcher)")
+            continue
         if limits is not None and not runner.has_run(case) and limits.skip(case, unshrunk=True):
             progress(f"corpus {entry.name}: skipped ({limits.skip_reason(case, unshrunk=True)})")
             continue
