@@ -15,7 +15,7 @@ from harness.checks import Check, Evidence, all_checks, oracle
 from harness.engine import torchrun
 from harness.engine.executor import CASE_JOB
 from harness.engine.pool import STARTUP_TIMEOUT_S, WorkerPool
-from harness.errors import TargetError
+from harness.errors import LaunchError, TargetError
 from harness.findings import Finding, repro_command
 from harness.known import KnownFindings, load as load_known
 from harness.observations import RankResult
@@ -121,6 +121,9 @@ class Runner:
         key: Any = tp if dp == cp == 1 else (tp, dp) if cp == 1 else (tp, cp, dp)
         if key not in self.pools:
             # under torchrun: the launched ranks instead of a pool of our own (one TP group per world)
+            if cp > 1 and torchrun.active():
+                raise LaunchError(f"a launched world has no context-parallel groups: run CP {cp} cases without "
+                                  f"the launcher")
             shared = torchrun.pool(tp) if cp == 1 else None
             self.pools[key] = shared if shared is not None else WorkerPool(
                 tp, self.device, self.collective_timeout_s, dp=dp, case_timeout_s=self.case_timeout_s, cp=cp)
