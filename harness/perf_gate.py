@@ -152,7 +152,7 @@ def memory_figures(ranks: list[RankResult]) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def _pool_values(runner: Runner, case: KernelCase, job: str, *args: Any) -> list[Any]:
+def pool_values(runner: Runner, case: KernelCase, job: str, *args: Any) -> list[Any]:
     """A timing job on every rank of the case's pool; merged per call over ranks."""
     replies = runner.pool(case.tp).run(job, *args, deadline_s=600)
     errors = [r.error for r in replies if isinstance(r, RankResult)]
@@ -183,7 +183,7 @@ def record(runner: Runner, cases: list[KernelCase], say: Callable[[str], None] =
         say(f"recording {label(case)}")
         entry = {"case": case.spec(), "label": label(case), **_static(runner, case)}
         if "error" not in entry:
-            times = sorted(_pool_values(runner, case, TIME_JOB, case, target.spec, timing.REPEATS))
+            times = sorted(pool_values(runner, case, TIME_JOB, case, target.spec, timing.REPEATS))
             entry["time_s"] = times[len(times) // 2]
         entries.append(entry)
     counted = _instructions(target.spec, [c for c in cases if c.tp == 1], runner.device, say)
@@ -349,10 +349,10 @@ def compare(runner: Runner, base: dict[str, Any], threshold: float = DEFAULT_THR
 def _compare_time(cmp: Comparison, runner: Runner, case: KernelCase, old: dict[str, Any],
                   reference: str | None, threshold: float) -> None:
     if reference is None:
-        times = sorted(_pool_values(runner, case, TIME_JOB, case, runner.target.spec, timing.REPEATS))
+        times = sorted(pool_values(runner, case, TIME_JOB, case, runner.target.spec, timing.REPEATS))
         cmp.row(case, "time (ms)", old.get("time_s", 0) * 1e3, times[len(times) // 2] * 1e3, "not judged (unpaired)")
         return
-    r, _ = timing.sequential_ratio(lambda seed: _pool_values(runner, case, PAIRED_JOB, case, reference,
+    r, _ = timing.sequential_ratio(lambda seed: pool_values(runner, case, PAIRED_JOB, case, reference,
                                                            runner.target.spec, timing.PAIRS, seed), threshold)
     verdict = r.verdict(threshold)
     cmp.row(case, "time (ms)", r.old_s * 1e3, r.new_s * 1e3, verdict, verdict == "slower", (r.low, r.high))

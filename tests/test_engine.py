@@ -36,6 +36,29 @@ def test_pool_is_persistent_and_ranks_really_communicate(tp2):
     assert tp2.run("tests.pool_jobs:all_reduce_sum") == [3.0, 3.0]
 
 
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().split(")")[-1].split()[0]
+
+
+def _wakeups(pid: int) -> int:
+    """Voluntary context switches of every thread of `pid`: how often it woke to do anything."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/status") as fh:
+            total += sum(int(line.split()[1]) for line in fh if line.startswith("voluntary_ctxt_switches"))
+    return total
+
+
+def test_idle_gloo_pool_is_stopped_between_jobs_and_costs_nothing(tp2):
+    pids = [pid for _, pid in tp2.run("tests.pool_jobs:whoami")]
+    assert [_state(p) for p in pids] == ["T", "T"], "an idle gloo pool must be stopped"
+    before = [_wakeups(p) for p in pids]
+    time.sleep(0.5)
+    assert [_wakeups(p) for p in pids] == before, "a stopped rank's gloo loop threads must not wake"
+    assert tp2.run("tests.pool_jobs:all_reduce_sum") == [3.0, 3.0], "a woken pool must work as before"
+
+
 def test_hung_rank_is_named_and_pool_rebuilt(tp2):
     old = [pid for _, pid in tp2.run("tests.pool_jobs:whoami")]
     start = time.monotonic()

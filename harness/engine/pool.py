@@ -15,6 +15,12 @@ deadline scales the same way (`case_deadline`); the gloo/NCCL timeout stays as t
 
 Workers die with the main process (PR_SET_PDEATHSIG) and are terminated at exit, so no process
 outlives the run.
+
+A gloo pool is stopped (SIGSTOP) between jobs and continued when the next one is sent. An idle
+gloo rank is not idle: every process group megatron-core makes (about 18 per rank) has a TCP loop
+thread that wakes 100 times a second, so a test session holding 70 idle ranks made 120,000 wakeups
+a second and ran a 2-core machine at load 150-200, four times slower than its own work. NCCL pools
+are left running: their watchdog would take a stop for a hang.
 """
 from __future__ import annotations
 
@@ -174,6 +180,7 @@ class WorkerPool:
         self.restarts = 0
         self.job_seconds: deque[float] = deque(maxlen=101)  # jobs every rank answered; survives restarts
         self.stuck_events = 0
+        self.parked = False
         self.start()
 
     @property
@@ -233,6 +240,7 @@ class WorkerPool:
             self.close()
             size = f"TP {self.tp}" + (f" x CP {self.cp}" if self.cp > 1 else "") + (f" x DP {self.dp}" if self.dp > 1 else "")
             raise PoolStartError(f"{size} pool failed to start: " + "; ".join(bad))
+        self.park()
 
     def _result(self, r: int, error: str, kind: str, trace: list | None = None) -> RankResult:
         """The pool's own result for world rank r, which gave no answer of its own."""
@@ -340,6 +348,7 @@ class WorkerPool:
         needs its result, to raise in its own place)."""
         if _interrupted:
             raise KeyboardInterrupt  # the first one was swallowed (e.g. raised inside a finalizer)
+        self.wake()
         if self.board is not None:
             self.board.reset()
         start = time.monotonic()
@@ -358,7 +367,28 @@ class WorkerPool:
             self.restart()
         else:
             self.job_seconds.append(time.monotonic() - start)
+            self.park()
         return replies
+
+    def park(self) -> None:
+        """Stop every rank until the next job (gloo only: see the module's notes). Only between
+        jobs, once every rank has answered: no rank is then inside a collective, or waiting on one."""
+        if self.backend != "gloo" or self.parked:
+            return
+        self._signal(signal.SIGSTOP)
+        self.parked = True
+
+    def wake(self) -> None:
+        if self.parked:
+            self._signal(signal.SIGCONT)
+            self.parked = False
+
+    def _signal(self, sig: int) -> None:
+        for p in self.procs:
+            try:
+                os.kill(p.pid, sig)
+            except ProcessLookupError:
+                pass  # it died: the next job reports it
 
     def run(self, fn_path: str, *args: Any, deadline_s: float | None = None,
             while_waiting: Callable[[], Any] | None = None) -> list[Any]:
@@ -371,6 +401,7 @@ class WorkerPool:
         self.start()
 
     def close(self) -> None:
+        self.wake()
         for conn in self.conns:
             try:
                 conn.send(None)
