@@ -138,4 +138,9 @@ CORPUS: tuple[Regression, ...] = (
                "memory-chunk-passthrough must grant it too", "memory-chunk-passthrough",
                WrapperCase(tp=1, v_local=7, total_lengths=(4,), response_lengths=(0,), chunk_size=1, with_entropy=False,
                            layout="transposed", seed=245)),
+    Regression("wrapper-top-p-nucleus-copies", "a false finding (thorough, TP 8): the recorded nucleus is an "
+               "input of its own size, up to T*V ids; a routine holds a few int64 copies of it, which "
+               "memory-budget measured in units of T*V_local", "memory-budget",
+               WrapperCase(tp=4, v_local=8, total_lengths=(8,), response_lengths=(5,), chunk_size=-1, with_entropy=False,
+                           top_p="nucleus", seed=6)),
 )

@@ -19,8 +19,11 @@ class Profile:
     dp_tp: tuple[int, ...] = ()
     dp_kernel_cases: int = 0
     dp_wrapper_cases: int = 0
-    # TP sizes added to those asked for (small cases: the strategies' shapes are small at any size).
+    # TP sizes added to those asked for (small cases: the strategies' shapes are small at any size),
+    # explored in their own step at `extra_tp_share` of the per-size counts: a TP 8 case costs about
+    # six TP 1 cases on 2 cores (docs/performance.md), so an even share would be most of a run.
     extra_tp: tuple[int, ...] = ()
+    extra_tp_share: float = 1.0
     linear_cases: int = 0  # randomized fused-linear cases per TP size (docs/fused-linear.md)
     # Context parallelism (docs/context-parallel.md): wrapper cases in TP x CP worlds, per CP size and
     # TP size (the TP sizes among those asked for, or the smallest asked for); both CP layouts drawn.
@@ -38,9 +41,10 @@ PROFILES = {
     "dev": Profile("dev", kernel_cases=150, wrapper_cases=40, pytest_examples=15,
                    dp_tp=(2,), dp_kernel_cases=24, dp_wrapper_cases=6, linear_cases=30,
                    cp_sizes=(2,), cp_wrapper_cases=8),
-    "thorough": Profile("thorough", kernel_cases=2000, wrapper_cases=500, pytest_examples=100,
+    # Sized to finish in under 15 minutes on 2 cores (docs/performance.md has the case counts).
+    "thorough": Profile("thorough", kernel_cases=1200, wrapper_cases=400, pytest_examples=100,
                         dp_tp=(2, 4), dp_kernel_cases=300, dp_wrapper_cases=80, extra_tp=(3, 8),
-                        linear_cases=400, cp_sizes=(2, 4), cp_wrapper_cases=60),
+                        extra_tp_share=0.25, linear_cases=300, cp_sizes=(2, 4), cp_wrapper_cases=60),
 }
 DEFAULT_PROFILE = "ci"
 

@@ -30,6 +30,7 @@ from harness.checks import oracle
 from harness.engine import executor, runner as runner_module
 from harness.engine.pool import WorkerPool
 from harness.engine.runner import Runner
+from harness.observations import RankResult
 from harness.targets import load_target
 
 MAX_WORLD = 8
@@ -94,22 +95,38 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def timed_case_job(ctx: Any, case: Any, target_spec: str) -> Any:
+def timed_case_job(ctx: Any, case: Any, target_spec: str, meter_memory: bool = True) -> Any:
     """The engine's case job, with this rank's job, forward-call and backward seconds recorded."""
     for k in range(3):
         _RANK_SECONDS[3 * ctx.rank + k] = 0.0
     start = time.perf_counter()
     try:
-        return executor.case_job(ctx, case, target_spec)
+        return executor.case_job(ctx, case, target_spec, meter_memory)
     finally:
         _RANK_SECONDS[3 * ctx.rank] = time.perf_counter() - start
+
+
+def all_reduce_seconds(ctx: Any, n: int) -> float:
+    """Seconds per all_reduce of 64 floats over this rank's TP group: the floor under every
+    collective a routine makes."""
+    import torch.distributed as dist
+
+    from harness.engine.calls import tp_group
+
+    x, group = torch.ones(64), tp_group()
+    for _ in range(10):
+        dist.all_reduce(x, group=group)
+    start = time.perf_counter()
+    for _ in range(n):
+        dist.all_reduce(x, group=group)
+    return (time.perf_counter() - start) / n
 
 
 def instrument(runner: Runner, stages: Stages) -> None:
     """Time the engine's stages from outside: the oracle, the round trips, the checks; in the ranks
     (inherited by fork), the job, the target's calls and the backwards."""
     oracle.expected = functools.lru_cache(maxsize=256)(stages.timed("oracle", oracle.expected.__wrapped__))
-    runner_module.CASE_JOB = f"{__name__}:timed_case_job" if __name__ != "__main__" else "__main__:timed_case_job"
+    runner_module.CASE_JOB = f"{__name__}:timed_case_job"
     call = WorkerPool.call
 
     def timed_call(pool: WorkerPool, *args: Any, **kwargs: Any) -> Any:
@@ -124,6 +141,7 @@ def instrument(runner: Runner, stages: Stages) -> None:
         stages.add("  target backward", bwd)
         stages.add("  rest of the ranks' job", job - fwd - bwd)
         stages.add("round trips (count)", 1)
+        stages.add("collectives (count)", max((len(r.trace) for r in out if isinstance(r, RankResult)), default=0))
         return out
     WorkerPool.call = timed_call  # type: ignore[method-assign]
     target = runner.target
@@ -149,7 +167,8 @@ def breakdown_table(stages: Stages, tp: int, totals: dict[str, tuple[int, float,
                  ("checks", s["checks"]), ("bookkeeping", wall - known)]
         per = 1000.0 / max(n, 1)
         cells = " | ".join(f"{v * per:.2f}" for _, v in parts)
-        rows.append(f"| {tp} | {level} | {n} | {s['round trips (count)'] / max(n, 1):.2f} | {cells} | "
+        rows.append(f"| {tp} | {level} | {n} | {s['round trips (count)'] / max(n, 1):.2f} | "
+                    f"{s['collectives (count)'] / max(n, 1):.1f} | {cells} | "
                     f"{(wall + drawing) * per:.2f} |")
     return rows
 
@@ -164,13 +183,15 @@ def main() -> None:
     stages = Stages()
     if ns.breakdown:
         instrument(runner, stages)
-    print("| TP | pool start-up (s) | distributed cases run | cases/s |")
-    print("|---|---|---|---|")
+    print("| TP | pool start-up (s) | bare all_reduce (ms) | distributed cases run | cases/s |")
+    print("|---|---|---|---|---|")
     tables: list[str] = []
     for tp in (int(t) for t in ns.tp.split(",")):
         start = time.perf_counter()
-        runner.pool(tp)
+        pool = runner.pool(tp)
         startup = time.perf_counter() - start
+        job = f"{__name__}:all_reduce_seconds"
+        latency = max(pool.run(job, 200 if tp > 1 else 1, deadline_s=120)) * 1000
         levels = {"kernel": (kernel_cases, ns.cases * 3 // 4), "wrapper": (wrapper_cases, ns.cases // 4)}
         if ns.breakdown:
             levels["linear"] = (linear_cases, ns.cases // 4)
@@ -189,15 +210,16 @@ def main() -> None:
             if level != "linear":  # the headline figure is the kernel and wrapper mix, as before
                 took += wall
                 ran += runner.cases_run - runs_before
-        print(f"| {tp} | {startup:.2f} | {ran} | {ran / took:.1f} |", flush=True)
+        print(f"| {tp} | {startup:.2f} | {latency:.2f} | {ran} | {ran / took:.1f} |", flush=True)
         if ns.breakdown:
             tables += breakdown_table(stages, tp, totals)
             stages.by_level.clear()
     if ns.breakdown:
         print("\nMilliseconds per checked case (a case and the twins its checks ask for):\n")
-        print("| TP | level | cases | round trips per case | drawing | oracle | round trips | transport | "
+        print("| TP | level | cases | round trips per case | traced collectives per case | drawing | oracle | "
+              "round trips | transport | "
               "target forward | target backward | rest of the ranks' job | checks | bookkeeping | total |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         print("\n".join(tables))
     runner.close()
 

@@ -67,7 +67,11 @@ def test_ci_profile_explores_tp2_inside_a_world_of_4_and_thorough_beyond_4():
     assert ("kernel", [2], PROFILES["ci"].dp_kernel_cases, 2, 1) in steps
     assert all(dp == 1 for *_, dp, _cp in steps[:2])
     thorough = plan(PROFILES["thorough"], ("kernel",), [1, 2, 4])
-    assert thorough[0][1] == [1, 2, 3, 4, 8]
+    per_size = PROFILES["thorough"].kernel_cases
+    assert thorough[:2] == [("kernel", [1, 2, 4], 3 * per_size, 1, 1),
+                            ("kernel", [3, 8], 2 * round(per_size * PROFILES["thorough"].extra_tp_share), 1, 1)]
+    assert plan(PROFILES["thorough"], ("kernel",), [8])[:2] == [("kernel", [8], per_size, 1, 1),
+                                                             ("kernel", [3], round(per_size / 4), 1, 1)]
     assert plan(PROFILES["ci"], ("kernel",), [2], launched=True) == [("kernel", [2], PROFILES["ci"].kernel_cases, 1, 1)]
 
 

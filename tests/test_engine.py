@@ -52,6 +52,9 @@ def _wakeups(pid: int) -> int:
 
 def test_idle_gloo_pool_is_stopped_between_jobs_and_costs_nothing(tp2):
     pids = [pid for _, pid in tp2.run("tests.pool_jobs:whoami")]
+    deadline = time.monotonic() + 5  # a stop is delivered when the rank is next scheduled
+    while [_state(p) for p in pids] != ["T", "T"] and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert [_state(p) for p in pids] == ["T", "T"], "an idle gloo pool must be stopped"
     before = [_wakeups(p) for p in pids]
     time.sleep(0.5)
@@ -116,6 +119,21 @@ def test_forward_observations_survive_a_backward_crash(harness_pools):
     runner = Runner("mutant:shard-boundary-off-by-one", collective_timeout_s=5, pools=harness_pools)
     _, findings = runner.check(parse_case("kernel:tp=2,T=6,v_local=7,seed=1754"))
     assert {"crash", "values"} <= {f.check for f in findings}
+
+
+def test_memory_meter_runs_only_for_runs_a_memory_check_reads(harness_runner):
+    """The meter's dispatch mode costs several times the call: the twins of value checks run
+    without it; a run asked for with figures later is run again, metered."""
+    case = parse_case("kernel:tp=2,T=6,v_local=7,chunk_size=2,seed=1754")
+    twin = harness_runner.fit(case.replace(chunk_size=-1))  # chunk-invariance's, a values check
+    ev, _ = harness_runner.check(case)
+    assert all(r.obs.memory for r in ev.ranks), "memory-budget reads the case's figures"
+    assert harness_runner.has_run(twin)
+    assert not any(r.obs.memory for r in harness_runner.run(twin, meter_memory=False).ranks)
+    before = harness_runner.cases_run
+    assert all(r.obs.memory for r in harness_runner.run(twin).ranks)
+    assert harness_runner.cases_run == before + 1
+    assert harness_runner.run(twin, meter_memory=False) is harness_runner.run(twin)  # metered serves both
 
 
 def test_case_results_are_cached_per_runner(harness_runner):

@@ -11,8 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cases.case import KernelCase, WrapperCase
+from cases.corpus import CORPUS
 from cases.strategies import kernel_cases, linear_cases, wrapper_cases
 from harness.checks import all_checks
+from harness.checks import memory as memory_checks
 from harness.engine.runner import Runner
 from harness.meters import memory
 from harness.targets.mutants import catalog
@@ -279,3 +281,15 @@ def test_figures_are_deterministic_at_tp2(harness_pools):
     runs = [pool.run("tests.pool_jobs:memory_figures", case, "harness.targets.naive") for _ in range(5)]
     assert all(r == runs[0] for r in runs), runs
     assert set(runs[0][0]) >= {"retained_bytes", "peak_forward_bytes", "peak_backward_bytes"}
+
+
+@pytest.mark.distributed
+def test_recorded_nucleus_is_granted_its_own_size(harness_runner, monkeypatch):
+    """The nucleus ids are an input of up to T*V entries: at TP 4 their int64 copies alone pass the
+    built-in's budget in units of T*V_local. Granted per entry, the corpus case passes; without
+    that grant it is the false finding the thorough profile reported at TP 8."""
+    case = next(e for e in CORPUS if e.name == "wrapper-top-p-nucleus-copies").case
+    assert memory_checks.nucleus_entries(case) > 2 * case.T * case.v_local  # twice as many ids as T*V_local
+    assert harness_runner.check(case, only={"memory-budget"})[1] == []
+    monkeypatch.setattr(memory_checks, "NUCLEUS_ENTRY_BYTES", 0)
+    assert [f.check for f in harness_runner.check(case, only={"memory-budget"})[1]] == ["memory-budget"]

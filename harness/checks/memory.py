@@ -9,6 +9,7 @@ at the chunk size it was given.
 """
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from typing import Any
 
@@ -132,6 +133,21 @@ def backward_frees(ev: Evidence) -> list[str]:
     return problems
 
 
+# Bytes per recorded top-p nucleus entry: the caller's int32 ids widened to int64, located in the
+# rank's shard (an offset id, a selection) and their bool tests. The nucleus is an input of its own
+# size, not a multiple of T*V_local: small in production, it reaches T*V at the harness's tiny
+# vocabularies and TP 8, where the built-in's three int64 copies alone were 14 units (thorough).
+NUCLEUS_ENTRY_BYTES = 32
+
+
+@functools.lru_cache(maxsize=1024)
+def nucleus_entries(c: WrapperCase) -> int:
+    """How many token ids the case's recorded nuclei hold (0 without top-p)."""
+    if c.top_p == "none":
+        return 0
+    return sum(int(o[-1]) for o in c.inputs().top_p_token_offsets or () if len(o))
+
+
 def allowance(c: Any, meter: str) -> int:
     """Bytes a correct routine may spend on `meter` beyond its budget and the O(T) slack: the one
     source every memory check reads (memory-budget, memory-chunk-passthrough, memory-linear-retained
@@ -140,7 +156,7 @@ def allowance(c: Any, meter: str) -> int:
     Kernel and wrapper: non-contiguous logits may be copied to a contiguous float32 buffer, which
     the kernel may save (one T*V_local*4 unit); a wrapper's temperature divides out of place (a
     float32 copy, which the kernel may save: one unit) and top-p replay builds a bool keep mask (a
-    quarter). Linear level (docs/fused-linear.md): a float32 copy of each input that is not float32
+    quarter) and holds a few int64 copies of the recorded nucleus (NUCLEUS_ENTRY_BYTES an entry). Linear level (docs/fused-linear.md): a float32 copy of each input that is not float32
     (hidden [T, H] and the weight shard [V_local, H]); beyond what the forward retains, each gradient
     asked for (an input that requires grad) its float32 accumulator, one float32 product of that
     size, and the result in the input's dtype. A frozen input's gradient gets nothing: a routine that
@@ -154,9 +170,11 @@ def allowance(c: Any, meter: str) -> int:
         return upcast + per_entry * asked
     unit = memory.unit(c.T, c.v_local)
     units = 1.0 if getattr(c, "layout", "contiguous") in NONCONTIGUOUS else 0.0
+    nucleus = 0
     if isinstance(c, WrapperCase):
         units += (1.0 if c.temperature not in (None, 1.0) else 0.0) + (0.25 if c.top_p != "none" else 0.0)
-    return int(units * unit)
+        nucleus = NUCLEUS_ENTRY_BYTES * nucleus_entries(c)
+    return int(units * unit) + nucleus
 
 
 def budget_use(c: Any, nbytes: int, meter: str = "peak_backward") -> float:

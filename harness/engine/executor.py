@@ -78,14 +78,14 @@ def _observed_call(inp: Any, target: Target, case: Any, group: Any, meter: Meter
 
 
 def run_kernel(case: KernelCase, target: Target, rank: int, group: Any, device: torch.device,
-               obs: Observation) -> None:
+               obs: Observation, meter_memory: bool = True) -> None:
     """Fills `obs` as it goes: a backward that raises leaves the forward's observations. The call
     runs in the case's context; a two-call context's second call is outside the memory meter's
     forward (and, accumulating, its backward too), so the figures stay those of one call."""
     inp = KernelShard.of(case, rank, device)
     other = KernelShard.of(case.second(), rank, device) if case.context == "two_inputs" else None
     integrity = _Integrity(logits=inp.logits, tokens=inp.tokens, log_prob_keep_mask=inp.keep_mask)
-    meter = Meter((inp.logits, inp.tokens, inp.keep_mask), device, metered(target))
+    meter = Meter((inp.logits, inp.tokens, inp.keep_mask), device, meter_memory and metered(target))
     with grad_context(case.context):
         log_prob, entropy = _observed_call(inp, target, case, group, meter, integrity, obs)
         loss = inp.loss(log_prob, entropy)
@@ -126,14 +126,14 @@ def training_kernel(case: KernelCase, target: Target, rank: int, group: Any, dev
 
 
 def run_linear(case: LinearCase, target: Target, rank: int, group: Any, device: torch.device,
-               obs: Observation) -> None:
+               obs: Observation, meter_memory: bool = True) -> None:
     """A fused-linear call on the training path: outputs, flags, both gradients (the hidden states'
     and this rank's weight shard's; None for a frozen one), input integrity and memory, as
     `run_kernel` records them; in a two_inputs context, the second call's gradients too."""
     inp = LinearShard.of(case, rank, device)
     other = LinearShard.of(case.second(), rank, device) if case.context == "two_inputs" else None
     integrity = _Integrity(hidden=inp.hidden, weight=inp.weight, tokens=inp.tokens)
-    meter = Meter((inp.hidden, inp.weight, inp.tokens), device, metered(target))
+    meter = Meter((inp.hidden, inp.weight, inp.tokens), device, meter_memory and metered(target))
     log_prob, entropy = _observed_call(inp, target, case, group, meter, integrity, obs)
     loss = inp.loss(log_prob, entropy)
     if other is not None:  # another batch of hidden states (and head) through a second call, one graph
@@ -208,11 +208,11 @@ class _WrapperCall:
 
 
 def run_wrapper(case: WrapperCase, target: Target, rank: int, device: torch.device, obs: Observation,
-                cp_rank: int = 0) -> None:
+                cp_rank: int = 0, meter_memory: bool = True) -> None:
     call = _WrapperCall(case, target, rank, device, cp_rank=cp_rank)
     logits, tokens = call.logits, call.tokens
     integrity = _Integrity(logits=logits, **{f"tokens[{i}]": t for i, t in enumerate(tokens)})
-    meter = Meter((logits, tokens, call.top_p_ids, call.top_p_offsets), device, metered(target))
+    meter = Meter((logits, tokens, call.top_p_ids, call.top_p_offsets), device, meter_memory and metered(target))
     with grad_context(case.context):
         with meter.forward():
             log_probs, entropy = call()
@@ -249,7 +249,7 @@ def run_wrapper(case: WrapperCase, target: Target, rank: int, device: torch.devi
         call()
     obs.memory = meter.figures
     if wants_kernel_pass(case, target):
-        obs.kernel_pass = kernel_pass(case, target, call.values, device)
+        obs.kernel_pass = kernel_pass(case, target, call.values, device, meter_memory)
     if not case.autograd and case.T > 0:
         train = _WrapperCall(case.replace(context="train"), target, rank, device, cp_rank=cp_rank)
         with trace.recording():
@@ -258,7 +258,8 @@ def run_wrapper(case: WrapperCase, target: Target, rank: int, device: torch.devi
     obs.stage = "backward"
 
 
-def kernel_pass(case: WrapperCase, target: Target, values: torch.Tensor, device: torch.device) -> KernelPass:
+def kernel_pass(case: WrapperCase, target: Target, values: torch.Tensor, device: torch.device,
+                meter_memory: bool = True) -> KernelPass:
     """The target kernel on the wrapper's rows, at the case's chunk size and unchunked, called as
     the wrapper calls it (`[1, T, V_local]` logits, laid out alike, squeezed, shifted targets, the
     same per-sample losses), on the training path. Its collectives stay out of the job's trace. The temperature is left out: it changes
@@ -269,7 +270,7 @@ def kernel_pass(case: WrapperCase, target: Target, values: torch.Tensor, device:
     for chunk in (case.chunk_size, -1):
         # `logits` is a view, or (layout "nonleaf") an op's output: the gradient lands on `source`.
         source, logits = laid_out(values.detach().clone(), case.layout, True)
-        meter = Meter((logits, tokens), device, metered(target))
+        meter = Meter((logits, tokens), device, meter_memory and metered(target))
         with trace.recording() as events, meter.forward():
             log_prob, entropy = target.kernel(logits, tokens, tp_group(), **target.kwargs(
                 "kernel", with_entropy=case.with_entropy, chunk_size=chunk, log_prob_keep_mask=None,
@@ -301,19 +302,21 @@ def _to(ts: list | None, device: torch.device) -> list | None:
     return None if ts is None else [t.to(device) if isinstance(t, torch.Tensor) else t for t in ts]
 
 
-def run_on_rank(case: Case, target: Target, rank: int, device: torch.device, cp_rank: int = 0) -> RankResult:
+def run_on_rank(case: Case, target: Target, rank: int, device: torch.device, cp_rank: int = 0,
+                meter_memory: bool = True) -> RankResult:
     """Run one case on this rank (TP rank `rank` of CP rank `cp_rank`); never raises (an exception is an
-    observation)."""
+    observation). `meter_memory` False: no memory meter (its dispatch mode sees every op, and costs
+    several times the call itself), for a run whose checks read no memory figure."""
     result = RankResult(rank)
     group = tp_group()
     with trace.recording() as events:
         try:
             if case.level == "kernel":
-                run_kernel(case, target, rank, group, device, result.obs)
+                run_kernel(case, target, rank, group, device, result.obs, meter_memory)
             elif case.level == "linear":
-                run_linear(case, target, rank, group, device, result.obs)
+                run_linear(case, target, rank, group, device, result.obs, meter_memory)
             else:
-                run_wrapper(case, target, rank, device, result.obs, cp_rank)
+                run_wrapper(case, target, rank, device, result.obs, cp_rank, meter_memory)
         except Exception as e:  # the target's failure is data
             failed = RankResult.from_exception(rank, e)
             result.error, result.error_kind = failed.error, failed.error_kind
@@ -322,12 +325,12 @@ def run_on_rank(case: Case, target: Target, rank: int, device: torch.device, cp_
     return result
 
 
-def case_job(ctx: Any, case: Case, target_spec: str) -> RankResult:
+def case_job(ctx: Any, case: Case, target_spec: str, meter_memory: bool = True) -> RankResult:
     """Worker-side entry (`pool.run(CASE_JOB, case, spec)`): the target resolves once per process.
     In a world of several TP groups, each DP replica runs its own copy of the case on other data
     (`Case.replica`), and each CP rank its rows of it; the driver evaluates every TP group against
     its replica's oracle, sliced for its CP rank."""
     tp_rank, cp_rank, replica, groups = group_coordinates()
-    result = run_on_rank(case.replica(replica), load_target(target_spec), tp_rank, ctx.device, cp_rank)
+    result = run_on_rank(case.replica(replica), load_target(target_spec), tp_rank, ctx.device, cp_rank, meter_memory)
     result.replica, result.cp_rank, result.groups = replica, cp_rank, groups
     return result

@@ -147,15 +147,25 @@ def explore(runner: Runner, level: str, tps: Iterable[int], max_examples: int, s
 def plan(profile: Profile, levels: Iterable[str], tps: list[int], launched: bool = False,
          cp: Iterable[int] | None = None) -> list[tuple[str, list[int], int, int, int]]:
     """What `harness check` explores: (level, TP sizes, cases, DP, CP) per step. Every TP size asked
-    for (plus the profile's extra ones, except under a launcher, whose world is fixed) at DP 1;
+    for (plus the profile's extra ones, except under a launcher, whose world is fixed; in a step of
+    their own when the profile gives them a smaller share) at DP 1;
     then the profile's DP sizes, TP groups inside a world of 2 replicas; then wrapper cases in
     TP x CP worlds, at the CP sizes asked for (`cp`; None: the profile's)."""
-    sizes = sorted(set(tps) | (set() if launched else set(profile.extra_tp)))
+    asked = sorted(set(tps))
+    extra = [] if launched else sorted(set(profile.extra_tp) - set(tps))
+    sizes = sorted(asked + extra)
     counts = {"kernel": profile.kernel_cases, "wrapper": profile.wrapper_cases, "linear": profile.linear_cases}
     # The linear level runs in one TP group: DP replicas are the kernel's and the wrapper's axis.
     dp_counts = {"kernel": profile.dp_kernel_cases, "wrapper": profile.dp_wrapper_cases, "linear": 0}
     dp_sizes = [] if launched else [tp for tp in sizes if tp in profile.dp_tp]
-    steps = [(level, sizes, counts[level] * len(sizes), 1, 1) for level in levels if counts[level]]
+    steps = []
+    for level in (lv for lv in levels if counts[lv]):
+        if profile.extra_tp_share == 1.0:
+            steps.append((level, sizes, counts[level] * len(sizes), 1, 1))
+            continue
+        steps.append((level, asked, counts[level] * len(asked), 1, 1))
+        if extra:
+            steps.append((level, extra, max(1, round(counts[level] * profile.extra_tp_share)) * len(extra), 1, 1))
     if dp_sizes:
         steps += [(level, dp_sizes, dp_counts[level] * len(dp_sizes), 2, 1) for level in levels if dp_counts[level]]
     cp_sizes = [] if launched else sorted(set(profile.cp_sizes if cp is None else cp) - {1})

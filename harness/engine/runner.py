@@ -34,6 +34,11 @@ def by_group(results: list[RankResult]) -> list[RankResult]:
     return sorted(results, key=lambda r: (r.replica, r.cp_rank, r.rank))
 
 
+def _reads_memory(chk: Check) -> bool:
+    """Whether a check reads memory figures (of the call, or of the kernel pass a wrapper case makes)."""
+    return bool({"memory", "call-memory"} & set(chk.reads))
+
+
 def _needs_rebuild(results: list[RankResult]) -> bool:
     """Ranks whose collectives diverged may leave unmatched operations in flight: start the next
     case on a fresh group. Exceptions after identical collectives leave the group consistent."""
@@ -90,6 +95,7 @@ class Runner:
         self.run_seconds = 0.0
         self.stats: dict[tuple[str, str], CheckStats] = defaultdict(CheckStats)
         self._cache: OrderedDict[Case, Evidence] = OrderedDict()
+        self._unmetered: set[Case] = set()  # cached cases run without the memory meter
         self._called_on: set[Any] = set()  # the worker processes this runner's target has been called on
         self.known = KnownFindings()
         self.known_findings: list[Finding] = []
@@ -133,12 +139,14 @@ class Runner:
         """The case as this target can take it (its declared capabilities: `cases.capabilities`)."""
         return fit(case, self.target.supports)
 
-    def run(self, case: Case, while_waiting: Callable[[], Any] | None = None) -> Evidence:
+    def run(self, case: Case, while_waiting: Callable[[], Any] | None = None, meter_memory: bool = True) -> Evidence:
         """Run a case on every rank of its pool. Results are cached per case: checks that share
         draws (pytest ids of one group, twins) share one distributed run. `while_waiting`: work
-        for the main process while the ranks run (the case's oracle, when it will be checked)."""
+        for the main process while the ranks run (the case's oracle, when it will be checked).
+        `meter_memory` False: without the memory meter, for a run no memory check reads (a
+        metered run is cached for both; an unmetered one is run again when figures are asked for)."""
         case = self.fit(case)
-        if case in self._cache:
+        if case in self._cache and not (meter_memory and case in self._unmetered):
             self._cache.move_to_end(case)
             return self._cache[case]
         pool = self.pool(case.tp, case.dp, getattr(case, "cp", 1))
@@ -151,7 +159,7 @@ class Runner:
                 deadline = max(pool.case_deadline(), STARTUP_TIMEOUT_S)
             elif not self.target.supports("eager"):
                 deadline = max(pool.case_deadline(), COMPILE_DEADLINE_S)
-        results = by_group(pool.run(CASE_JOB, case, self.target.spec, deadline_s=deadline,
+        results = by_group(pool.run(CASE_JOB, case, self.target.spec, meter_memory, deadline_s=deadline,
                                     while_waiting=while_waiting))
         if isinstance(pool, WorkerPool):
             self._called_on.add(_workers(pool))  # a rebuilt pool's new workers start afresh
@@ -160,8 +168,10 @@ class Runner:
         if _needs_rebuild(results) and pool.procs:
             pool.restart()
         self._cache[case] = ev = Evidence(case, self.target, results)
+        self._cache.move_to_end(case)
+        (self._unmetered.discard if meter_memory else self._unmetered.add)(case)
         if len(self._cache) > CACHE_SIZE:
-            self._cache.popitem(last=False)
+            self._unmetered.discard(self._cache.popitem(last=False)[0])
         return ev
 
     def has_run(self, case: Case) -> bool:
@@ -176,7 +186,10 @@ class Runner:
         """Run one case (and the twins its checks ask for); evaluate every applicable check."""
         case = self.fit(case)
         # The float64 oracle is computed while the ranks run the case (it is cached for the checks).
-        ev = self.run(case, while_waiting=lambda: oracle.expected(case))
+        applied = [chk for chk in self.checks.values()
+                   if (not only or chk.name in only) and chk.applicable(case, self.target)]
+        ev = self.run(case, while_waiting=lambda: oracle.expected(case),
+                      meter_memory=any(_reads_memory(chk) for chk in applied))
         ev = Evidence(case, self.target, ev.ranks)  # fresh twins and margins for this evaluation
         findings = []
         for chk in self.checks.values():
@@ -190,7 +203,7 @@ class Runner:
                 twin_case = chk.twin(case)
                 if twin_case is None:
                     continue
-                twin = self.run(twin_case)
+                twin = self.run(twin_case, meter_memory=_reads_memory(chk))
                 if chk.needs and not twin.completed(chk.needs):
                     continue  # the twin's own crash is reported when it runs as a case
                 ev.twins[chk.name] = twin
