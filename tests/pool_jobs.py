@@ -24,6 +24,15 @@ def die_on(ctx, rank: int) -> int:
     return ctx.rank
 
 
+def die_while_others_run(ctx, rank: int) -> int:
+    """`rank` dies while the other ranks are still working (they return a moment later)."""
+    if ctx.rank == rank:
+        time.sleep(0.2)
+        os._exit(3)
+    time.sleep(1.5)
+    return ctx.rank
+
+
 def raise_on(ctx, rank: int) -> int:
     if ctx.rank == rank:
         raise ValueError("boom")

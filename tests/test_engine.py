@@ -82,6 +82,14 @@ def test_dead_rank_is_named_and_pool_rebuilt(tp2):
     assert tp2.run("tests.pool_jobs:all_reduce_sum") == [3.0, 3.0]
 
 
+def test_rank_dying_while_its_peer_runs_is_named(tp2):
+    """The stack watch keeps probing the ranks still running after one died."""
+    replies = tp2.run("tests.pool_jobs:die_while_others_run", 0, deadline_s=10.0)
+    assert isinstance(replies[0], RankResult) and "rank 0 died (exit code 3)" in replies[0].error
+    assert replies[1] == 1
+    assert tp2.run("tests.pool_jobs:all_reduce_sum") == [3.0, 3.0]
+
+
 def test_raising_rank_is_reported_and_pool_keeps_working(tp2):
     replies = tp2.run("tests.pool_jobs:raise_on", 1)
     assert replies[0] == 0 and "ValueError: boom" in replies[1].error

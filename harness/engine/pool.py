@@ -309,8 +309,8 @@ class WorkerPool:
                     pending.pop(conn, None)
                     sentinels.pop(obj)
                     self.procs[r].join(1.0)  # reap it, so the exit code is known
-                    code = self.procs[r].exitcode
-                    replies[r] = self._result(r, f"{self.name(r)} died (exit code {code})", "died")
+                    exit_code = self.procs[r].exitcode
+                    replies[r] = self._result(r, f"{self.name(r)} died (exit code {exit_code})", "died")
             if board is not None and pending:
                 now = time.monotonic()
                 running = sorted(pending.values())
