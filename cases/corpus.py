@@ -29,6 +29,9 @@ CORPUS: tuple[Regression, ...] = (
                _w(entropy_coef=None)),
     Regression("coef-negative-differentiable", "slime #2153: a negative coefficient is still a coefficient",
                "entropy-coef-rule", _w(entropy_coef=-0.01)),
+    Regression("coef-zero-memory-behind-temperature", "slime #2153: a metric-only entropy must not keep the "
+               "graph built for its gradient, which holds the wrapper's temperature-scaled copy of the logits",
+               "memory-coef-zero", _w(v_local=16, entropy_coef=0.0, temperature=0.5)),
     Regression("coef-nonzero-inverted", "slime #1185/#1189: the no-grad condition shipped inverted",
                "entropy-coef-rule", _w(entropy_coef=0.01)),
     Regression("metric-only-collectives", "slime #1822: metric-only entropy left collectives unmatched",
