@@ -55,6 +55,13 @@ def memory_figures(ctx, case, target_spec: str) -> dict:
     return {"error": result.error} if result.error else figures_of(result.obs.memory)
 
 
+def busy_on_one_line(ctx, seconds: float) -> int:
+    """Works for `seconds` without its stack changing (as one long C call, or a timing loop, does)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end: pass  # noqa: E701 (one line on purpose: one unchanging stack)
+    return ctx.rank
+
+
 def sleep_everywhere(ctx) -> int:
     """Every rank hangs outside any collective (a target spinning forever)."""
     time.sleep(3600)

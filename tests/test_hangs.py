@@ -15,6 +15,7 @@ import pytest
 from cases.case import KernelCase
 from harness import cli
 from harness.checks import Evidence
+from harness.engine import stacks
 from harness.engine.limits import EVERY_CASE_AFTER, RunLimits
 from harness.engine.pool import CASE_FLOOR_S, MIN_MEASURED, WorkerPool
 from harness.engine.runner import Runner
@@ -104,6 +105,17 @@ def test_rank_stuck_outside_any_collective_is_found_by_its_stack():
         assert "stuck in the routine's own code, outside any collective" in msg
         assert "sleeping or waiting" in msg and "pool_jobs.py" in msg and "in sleep_everywhere" in msg
         assert pool.run("tests.pool_jobs:all_reduce_sum") == [3.0, 3.0], "the pool was rebuilt"
+    finally:
+        pool.close()
+
+
+def test_a_rank_working_with_an_unchanging_stack_is_not_a_hang():
+    """A rank whose stack stays the same while it uses the CPU (a long C call, a loop on one line:
+    the perf gate's timing loop was one) is working: it gets the deadline, not a stuck verdict."""
+    pool = WorkerPool(1, collective_timeout_s=60)
+    try:
+        seconds = stacks.PROBE_FLOOR_S + (stacks.STILL_SAMPLES + 2) * stacks.PROBE_EVERY_S
+        assert pool.run("tests.pool_jobs:busy_on_one_line", seconds, deadline_s=60) == [0]
     finally:
         pool.close()
 

@@ -5,8 +5,9 @@ collective and does not return is either legitimately busy starting up (importin
 dependencies, compiling) or stuck in the routine's own code (a sleep, a wait on a lock, a loop).
 Its stack tells the two apart by evidence: every worker registers `faulthandler` on a signal, the
 driver asks for a dump every second or so, and a rank whose stack has not changed for a few
-samples, with no import or compilation frame in it, is stuck where the stack says. A start-up
-frame keeps the rank under the start-up deadline instead.
+samples, with no import or compilation frame in it and no CPU used meanwhile, is stuck where the
+stack says. A start-up frame keeps the rank under the start-up deadline instead, and a rank that
+works with a stack that does not change (one long C call) under the case deadline.
 
 faulthandler writes from its C signal handler, without the GIL, so a rank spinning in Python or
 sleeping in C still answers. The signal is registered before the worker says "ready", and the
@@ -35,7 +36,11 @@ PROBE_EVERY_S = 1.0
 STILL_SAMPLES = 4
 DUMP_WAIT_S = 0.5
 SHOWN_FRAMES = 4
-SPIN_SHARE = 0.5  # a rank that used more than this share of a core between its dumps is spinning
+# A rank that used less than this share of a core across its dumps is waiting, not working (its
+# gloo loop threads alone use about 2%). Only a waiting rank is stuck by its stack: a working one
+# may be in one long C call, or a loop on one line, whose stack does not change (a timing loop
+# was: a false hang), so it is left to the case deadline.
+IDLE_SHARE = 0.1
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
@@ -98,19 +103,24 @@ class RankStacks:
         self.cpu = (self.cpu + [cpu])[-STILL_SAMPLES:]
 
     @property
+    def idle(self) -> bool:
+        """It used (almost) no CPU across its dumps; unknown counts as working."""
+        used = [c for c in self.cpu if c is not None]
+        if len(used) < 2 or len(used) != len(self.cpu):
+            return False
+        return used[-1] - used[0] <= IDLE_SHARE * _TICKS_PER_S * (len(used) - 1) * PROBE_EVERY_S
+
+    @property
     def still(self) -> bool:
-        """The same stack, outside any start-up work, in the last STILL_SAMPLES dumps."""
+        """The same stack, outside any start-up work, in the last STILL_SAMPLES dumps, and no CPU used."""
         s = self.samples
         return len(s) == STILL_SAMPLES and bool(frames(s[-1])) and all(x == s[-1] for x in s) \
-            and not starting_up(s[-1])
+            and not starting_up(s[-1]) and self.idle
 
     def describe(self) -> str:
         """Where the rank is, innermost frames first, and whether it used the CPU meanwhile."""
         shown = frames(self.samples[-1])[:SHOWN_FRAMES]
-        used = [c for c in self.cpu if c is not None]
-        busy = len(used) == len(self.cpu) and used[-1] - used[0] > SPIN_SHARE * _TICKS_PER_S * \
-            (len(used) - 1) * PROBE_EVERY_S
-        doing = "spinning (it used the CPU)" if busy else "sleeping or waiting (it used no CPU)"
+        doing = "sleeping or waiting (it used no CPU)" if self.idle else "spinning (it used the CPU)"
         return f"{doing}; innermost frames: " + " <- ".join(shown)
 
 
