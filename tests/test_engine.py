@@ -129,19 +129,20 @@ def test_forward_observations_survive_a_backward_crash(harness_pools):
     assert {"crash", "values"} <= {f.check for f in findings}
 
 
-def test_memory_meter_runs_only_for_runs_a_memory_check_reads(harness_runner):
+def test_memory_meter_runs_only_for_runs_a_memory_check_reads(harness_pools):
     """The meter's dispatch mode costs several times the call: the twins of value checks run
     without it; a run asked for with figures later is run again, metered."""
+    runner = Runner("harness.targets.fused", pools=harness_pools)  # its own cache: nothing run before
     case = parse_case("kernel:tp=2,T=6,v_local=7,chunk_size=2,seed=1754")
-    twin = harness_runner.fit(case.replace(chunk_size=-1))  # chunk-invariance's, a values check
-    ev, _ = harness_runner.check(case)
+    twin = runner.fit(case.replace(chunk_size=-1))  # chunk-invariance's, a values check
+    ev, _ = runner.check(case)
     assert all(r.obs.memory for r in ev.ranks), "memory-budget reads the case's figures"
-    assert harness_runner.has_run(twin)
-    assert not any(r.obs.memory for r in harness_runner.run(twin, meter_memory=False).ranks)
-    before = harness_runner.cases_run
-    assert all(r.obs.memory for r in harness_runner.run(twin).ranks)
-    assert harness_runner.cases_run == before + 1
-    assert harness_runner.run(twin, meter_memory=False) is harness_runner.run(twin)  # metered serves both
+    assert runner.has_run(twin)
+    assert not any(r.obs.memory for r in runner.run(twin, meter_memory=False).ranks)
+    before = runner.cases_run
+    assert all(r.obs.memory for r in runner.run(twin).ranks)
+    assert runner.cases_run == before + 1
+    assert runner.run(twin, meter_memory=False) is runner.run(twin)  # metered serves both
 
 
 def test_case_results_are_cached_per_runner(harness_runner):
