@@ -23,7 +23,7 @@ class Profile:
     # explored in their own step at `extra_tp_share` of the per-size counts: a TP 8 case costs about
     # six TP 1 cases on 2 cores (docs/performance.md), so an even share would be most of a run.
     extra_tp: tuple[int, ...] = ()
-    extra_tp_share: float = 1.0
+    extra_tp_share: float = 1.0  # of the per-size counts, for each extra TP size
     linear_cases: int = 0  # randomized fused-linear cases per TP size (docs/fused-linear.md)
     # Context parallelism (docs/context-parallel.md): wrapper cases in TP x CP worlds, per CP size and
     # TP size (the TP sizes among those asked for, or the smallest asked for); both CP layouts drawn.

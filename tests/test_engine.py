@@ -13,14 +13,17 @@ from harness.observations import RankResult
 pytestmark = pytest.mark.distributed
 
 
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().split(")")[-1].split()[0]
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    # A zombie is dead for our purposes: it holds no resources but its exit status.
-    with open(f"/proc/{pid}/stat") as fh:
-        return fh.read().split(")")[-1].split()[0] != "Z"
+    return _state(pid) != "Z"  # a zombie is dead for our purposes: it holds nothing but its exit status
 
 
 @pytest.fixture
@@ -34,11 +37,6 @@ def test_pool_is_persistent_and_ranks_really_communicate(tp2):
     assert [r for r, _ in first] == [0, 1]
     assert first == second, "the same processes must serve every job"
     assert tp2.run("tests.pool_jobs:all_reduce_sum") == [3.0, 3.0]
-
-
-def _state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as fh:
-        return fh.read().split(")")[-1].split()[0]
 
 
 def _wakeups(pid: int) -> int:

@@ -147,8 +147,8 @@ def explore(runner: Runner, level: str, tps: Iterable[int], max_examples: int, s
 def plan(profile: Profile, levels: Iterable[str], tps: list[int], launched: bool = False,
          cp: Iterable[int] | None = None) -> list[tuple[str, list[int], int, int, int]]:
     """What `harness check` explores: (level, TP sizes, cases, DP, CP) per step. Every TP size asked
-    for (plus the profile's extra ones, except under a launcher, whose world is fixed; in a step of
-    their own when the profile gives them a smaller share) at DP 1;
+    for, then the profile's extra ones (except under a launcher, whose world is fixed) in a step of
+    their own at the profile's share of the per-size counts, at DP 1;
     then the profile's DP sizes, TP groups inside a world of 2 replicas; then wrapper cases in
     TP x CP worlds, at the CP sizes asked for (`cp`; None: the profile's)."""
     asked = sorted(set(tps))
@@ -160,9 +160,6 @@ def plan(profile: Profile, levels: Iterable[str], tps: list[int], launched: bool
     dp_sizes = [] if launched else [tp for tp in sizes if tp in profile.dp_tp]
     steps = []
     for level in (lv for lv in levels if counts[lv]):
-        if profile.extra_tp_share == 1.0:
-            steps.append((level, sizes, counts[level] * len(sizes), 1, 1))
-            continue
         steps.append((level, asked, counts[level] * len(asked), 1, 1))
         if extra:
             steps.append((level, extra, max(1, round(counts[level] * profile.extra_tp_share)) * len(extra), 1, 1))

@@ -186,14 +186,14 @@ class Runner:
         """Run one case (and the twins its checks ask for); evaluate every applicable check."""
         case = self.fit(case)
         # The float64 oracle is computed while the ranks run the case (it is cached for the checks).
-        applied = [chk for chk in self.checks.values()
-                   if (not only or chk.name in only) and chk.applicable(case, self.target)]
+        applied = {name for name, chk in self.checks.items()
+                   if (not only or name in only) and chk.applicable(case, self.target)}
         ev = self.run(case, while_waiting=lambda: oracle.expected(case),
-                      meter_memory=any(_reads_memory(chk) for chk in applied))
+                      meter_memory=any(_reads_memory(self.checks[name]) for name in applied))
         ev = Evidence(case, self.target, ev.ranks)  # fresh twins and margins for this evaluation
         findings = []
         for chk in self.checks.values():
-            if (only and chk.name not in only) or not chk.applicable(case, self.target):
+            if chk.name not in applied:
                 if not only or chk.name in only:
                     self._note_not_applied(chk, case)
                 continue
