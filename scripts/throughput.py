@@ -5,11 +5,13 @@ every registered check evaluated, twins included; pools started once, start-up t
 
 `--breakdown` also splits a checked case's wall time into its stages, per TP size and level, by
 timing the engine's own functions from this script (nothing in the harness is changed for it):
-drawing (Hypothesis, main process), the oracle (float64, main process), the round trips to the
-pool (a case and the twins its checks ask for), within them the ranks' work (the slowest rank's job:
+drawing (Hypothesis, main process), the oracle (float64, main process; mostly while the ranks
+work, inside a round trip), the round trips to the pool (a case and the twins its checks ask
+for), within them the ranks' work (the slowest rank's job:
 the target's forward calls, its backwards, and the rest: building shards, meters, traces,
 re-runs) and the transport (sending, waiting, unpickling replies), the checks, and bookkeeping
-(what is left: fitting, caching, findings).
+(what is left: fitting, caching, findings). It runs a case's jobs one at a time (as on one core),
+so that each round trip is one pool's; its cases/s are those of that setting.
 """
 from __future__ import annotations
 
@@ -127,12 +129,19 @@ def instrument(runner: Runner, stages: Stages) -> None:
     (inherited by fork), the job, the target's calls and the backwards."""
     oracle.expected = functools.lru_cache(maxsize=256)(stages.timed("oracle", oracle.expected.__wrapped__))
     runner_module.CASE_JOB = f"{__name__}:timed_case_job"
-    call = WorkerPool.call
+    runner_module.CORES = 1  # jobs one at a time: each round trip below is one pool's alone
+    submit, collect = WorkerPool.submit, WorkerPool.collect
 
-    def timed_call(pool: WorkerPool, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        out = call(pool, *args, **kwargs)
+    def timed_submit(pool: WorkerPool, *args: Any, **kwargs: Any) -> None:
+        # The oracle runs between submit and collect, while the ranks work: it is inside the trip.
+        pool._breakdown = (time.perf_counter(), stages.by_level[stages.level]["oracle"])  # type: ignore[attr-defined]
+        submit(pool, *args, **kwargs)
+
+    def timed_collect(pool: WorkerPool) -> Any:
+        out = collect(pool)
+        start, oracle_before = pool._breakdown  # type: ignore[attr-defined]
         trip = time.perf_counter() - start
+        stages.add("oracle inside round trips", stages.by_level[stages.level]["oracle"] - oracle_before)
         slowest = max(range(pool.world), key=lambda r: _RANK_SECONDS[3 * r])
         job, fwd, bwd = (_RANK_SECONDS[3 * slowest + k] for k in range(3))
         stages.add("round trips", trip)
@@ -143,7 +152,8 @@ def instrument(runner: Runner, stages: Stages) -> None:
         stages.add("round trips (count)", 1)
         stages.add("collectives (count)", max((len(r.trace) for r in out if isinstance(r, RankResult)), default=0))
         return out
-    WorkerPool.call = timed_call  # type: ignore[method-assign]
+    WorkerPool.submit = timed_submit  # type: ignore[method-assign]
+    WorkerPool.collect = timed_collect  # type: ignore[method-assign]
     target = runner.target
     for level in ("kernel", "wrapper", "linear"):
         fn = getattr(target, level)
@@ -159,7 +169,7 @@ def breakdown_table(stages: Stages, tp: int, totals: dict[str, tuple[int, float,
     rows = []
     for level, (n, wall, drawing) in totals.items():
         s = stages.by_level[level]
-        known = s["oracle"] + s["round trips"] + s["checks"]
+        known = s["oracle"] - s["oracle inside round trips"] + s["round trips"] + s["checks"]
         parts = [("drawing", drawing), ("oracle", s["oracle"]), ("round trips", s["round trips"]),
                  ("  transport", s["  transport"]), ("  target forward", s["  target forward"]),
                  ("  target backward", s["  target backward"]),

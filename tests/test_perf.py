@@ -102,7 +102,7 @@ def test_baseline_records_every_figure(clean_baseline):
         assert entry["time_s"] > 0
         assert isinstance(entry["collectives"], dict)
         assert {"retained_bytes", "peak_forward_bytes", "peak_backward_bytes", "peak_bytes"} <= entry["memory"].keys()
-    assert clean_baseline["cases"][1]["collectives"] == {"all_reduce": 3}
+    assert clean_baseline["cases"][1]["collectives"] == {"all_reduce": 2}
     json.dumps(clean_baseline)  # saved as JSON as it is
 
 
@@ -117,7 +117,7 @@ def test_clean_routine_passes_its_own_baseline(harness_pools, clean_baseline):
 def test_extra_allreduce_is_flagged(harness_pools, unpaired_baseline):
     cmp = baseline.compare(Runner(ALLREDUCE_MUTANT, pools=harness_pools), unpaired_baseline)
     assert [(f.check, f.case) for f in cmp.findings] == [("perf-collectives", FAST_CASES[1].spec())]
-    assert "all_reduce 3 -> 4" in cmp.findings[0].message
+    assert "all_reduce 2 -> 3" in cmp.findings[0].message
 
 
 def test_memory_increase_is_flagged(harness_pools, unpaired_baseline):

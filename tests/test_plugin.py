@@ -17,15 +17,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 BROKEN = '''\
-"""A routine with one broken all-reduce: the sum of exponentials is never reduced over the TP group."""
+"""One statistic left out of the all-reduce: the sum of exponentials is never reduced over the TP group."""
 from harness.targets.fused import FusedLogProbEntropy
 
 
 class ForgetsSumExp(FusedLogProbEntropy):
-    def all_reduce(self, tensor, op, group, stat):
-        if stat == "sumexp":
-            return tensor
-        return super().all_reduce(tensor, op, group, stat)
+    def reduce_stats(self, stats, op, group):
+        reduced = super().reduce_stats({k: v for k, v in stats.items() if k != "sumexp"}, op, group)
+        return {**stats, **reduced}
 
 
 ROUTINE = ForgetsSumExp()

@@ -133,6 +133,7 @@ class Check:
     reads: tuple[str, ...] = ()  # CONTEXT_LIMITS and TARGET_LIMITS keys
     family: str = "default"
     explain: ExplainFn | None = None
+    twin_in_same_process: bool = False
 
     def limit_note(self, case: Case, target: Target) -> str | None:
         """Why the case's call context, or the target, leaves this check nothing to read, or None."""
@@ -174,10 +175,13 @@ def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
           applies: Callable[[Case, Target], bool] = lambda c, t: True,
           twin: Callable[[Case], Case | None] | None = None,
           needs: str | None = "backward", min_tp: int = 1, reads: tuple[str, ...] = (),
-          family: str = "default", explain: ExplainFn | None = None) -> Callable[[CheckFn], CheckFn]:
+          family: str = "default", explain: ExplainFn | None = None,
+          twin_in_same_process: bool = False) -> Callable[[CheckFn], CheckFn]:
     """Register a check. `needs`: the stage ("forward" or "backward") every rank must have completed
     for the check to have evidence (a rank that raised earlier is `crash`'s finding); None: always.
-    `twin`: a second case the check compares against (run on its own pool), or None to skip.
+    `twin`: a second case the check compares against, or None to skip; it runs alongside the case, on
+    another pool, unless `twin_in_same_process`: after it, in the same worker processes (a check that
+    compares what a process keeps between calls: memory figures, a repeated call's bits).
     `min_tp`: the smallest TP size (times the CP size: `ranks`) at which the check can fail at all. `reads`: what of a call the
     check reads that some call contexts lack (CONTEXT_LIMITS). `family`: "bitwise" checks run only
     when asked for (`--bitwise`). `explain`: see ExplainFn."""
@@ -189,7 +193,7 @@ def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
         if name in REGISTRY:
             raise ValueError(f"check {name!r} registered twice")
         REGISTRY[name] = Check(name, levels, fn, applies, twin, needs, min_tp,
-                               (fn.__doc__ or "").strip(), tuple(reads), family, explain)
+                               (fn.__doc__ or "").strip(), tuple(reads), family, explain, twin_in_same_process)
         return fn
     return register
 

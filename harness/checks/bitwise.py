@@ -38,7 +38,7 @@ def _repeat(c: Case) -> Case | None:
     return c.replace(repeat=c.repeat + 1) if c.T > 0 else None
 
 
-@check("determinism", family=BITWISE, twin=_repeat)
+@check("determinism", family=BITWISE, twin=_repeat, twin_in_same_process=True)
 def determinism(ev: Evidence) -> list[str]:
     """The same call on the same inputs, run again in the same process, returns the same bits:
     log-probs, entropy and gradient."""

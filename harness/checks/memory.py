@@ -62,7 +62,8 @@ def _compare_retained(ev: Evidence, twin: Evidence, what: str) -> list[str]:
 
 @check("memory-metric-only", levels=("kernel", "linear"),
        applies=lambda c, t: c.T > 0 and c.requires_grad and c.with_entropy and not c.with_entropy_grad,
-       twin=lambda c: c.replace(with_entropy=False, with_entropy_grad=True, loss_terms="both"), reads=("autograd", "memory"))
+       twin=lambda c: c.replace(with_entropy=False, with_entropy_grad=True, loss_terms="both"),
+       reads=("autograd", "memory"), twin_in_same_process=True)
 def metric_only(ev: Evidence) -> list[str]:
     """A metric-only entropy (with_entropy_grad=False) retains no more than the log-prob-only call
     plus O(T) bytes, in every dtype and with or without a keep mask."""
@@ -71,7 +72,8 @@ def metric_only(ev: Evidence) -> list[str]:
 
 @check("memory-coef-zero", levels=("wrapper",),
        applies=lambda c, t: c.T > 0 and c.with_entropy and not c.expects_entropy_grad,
-       twin=lambda c: c.replace(with_entropy=False), reads=("autograd", "memory"))
+       twin=lambda c: c.replace(with_entropy=False), reads=("autograd", "memory"),
+       twin_in_same_process=True)
 def coef_zero(ev: Evidence) -> list[str]:
     """slime #2153: with entropy_coef == 0 (or absent) the wrapper retains what its log-prob-only
     call (with_entropy=False) retains, plus O(T) bytes."""

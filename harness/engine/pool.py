@@ -16,7 +16,7 @@ deadline scales the same way (`case_deadline`); the gloo/NCCL timeout stays as t
 Workers die with the main process (PR_SET_PDEATHSIG) and are terminated at exit, so no process
 outlives the run.
 
-A gloo pool is stopped (SIGSTOP) between jobs and continued when the next one is sent. An idle
+A gloo pool is stopped (SIGSTOP) once idle (`IDLE_PARK_S`) and continued when the next job is sent. An idle
 gloo rank is not idle: every process group megatron-core makes (about 18 per rank) has a TCP loop
 thread that wakes 100 times a second, so a test session holding 70 idle ranks made 120,000 wakeups
 a second and ran a 2-core machine at load 150-200, four times slower than its own work. NCCL pools
@@ -34,6 +34,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -63,6 +64,9 @@ STUCK_COST_FACTOR = 20
 ALL_BLOCKED_FLOOR_S = 3.0
 ALL_BLOCKED_COST_FACTOR = 50
 POLL_S = 0.05
+# A gloo pool is stopped once it has had no job for this long: not after every job, since stopping
+# and continuing costs 0.5 ms a job at TP 2 and 1.2 ms at TP 4, and a case's runs come back to back.
+IDLE_PARK_S = 0.2
 # Case deadline once the pool has measured MIN_MEASURED jobs: max(CASE_FLOOR_S, CASE_COST_FACTOR x
 # the median), never above the backstop (twice the collective timeout plus 10 s).
 MIN_MEASURED = 3
@@ -181,6 +185,10 @@ class WorkerPool:
         self.job_seconds: deque[float] = deque(maxlen=101)  # jobs every rank answered; survives restarts
         self.stuck_events = 0
         self.parked = False
+        self._submitted = self._deadline = 0.0  # the job in flight (`submit`)
+        self._in_flight = False
+        self._idle_timer: threading.Timer | None = None
+        self._parking = threading.Lock()  # the idle timer's thread parks; the driver wakes
         self.start()
 
     @property
@@ -346,29 +354,52 @@ class WorkerPool:
         """Run `fn_path(ctx, *args)` on every rank; rebuild the pool if any rank failed to answer.
         `while_waiting`: main-process work done while the ranks run (its failure is left to whoever
         needs its result, to raise in its own place)."""
-        if _interrupted:
-            raise KeyboardInterrupt  # the first one was swallowed (e.g. raised inside a finalizer)
-        self.wake()
-        if self.board is not None:
-            self.board.reset()
-        start = time.monotonic()
-        for conn, args in zip(self.conns, args_per_rank):
-            try:
-                conn.send((fn_path, args))
-            except (BrokenPipeError, OSError):
-                pass  # the rank is gone; _gather reports it
+        self.submit(fn_path, args_per_rank, deadline_s)
         if while_waiting is not None:
             try:
                 while_waiting()
             except Exception:
                 pass
-        replies = self._gather(start + deadline_s)
+        return self.collect()
+
+    def submit(self, fn_path: str, args_per_rank: list[tuple], deadline_s: float) -> None:
+        """Send a job to every rank and return at once; `collect` gathers it. Between the two the
+        driver may submit to other pools: they work at the same time."""
+        if _interrupted:
+            raise KeyboardInterrupt  # the first one was swallowed (e.g. raised inside a finalizer)
+        with self._parking:
+            self._in_flight = True
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+            self.wake()
+        if self.board is not None:
+            self.board.reset()
+        self._submitted = time.monotonic()
+        self._deadline = self._submitted + deadline_s
+        for conn, args in zip(self.conns, args_per_rank):
+            try:
+                conn.send((fn_path, args))
+            except (BrokenPipeError, OSError):
+                pass  # the rank is gone; _gather reports it
+
+    def collect(self) -> list[Any]:
+        """Every rank's reply to the job `submit` sent (or why it gave none)."""
+        replies = self._gather(self._deadline)
         if any(isinstance(r, RankResult) and r.error_kind in (*HANG_KINDS, "died") for r in replies):
             self.restart()
         else:
-            self.job_seconds.append(time.monotonic() - start)
-            self.park()
+            self.job_seconds.append(time.monotonic() - self._submitted)
+            with self._parking:
+                self._in_flight = False
+                self._idle_timer = threading.Timer(IDLE_PARK_S, self._park_if_idle)
+                self._idle_timer.daemon = True
+                self._idle_timer.start()
         return replies
+
+    def _park_if_idle(self) -> None:
+        with self._parking:
+            if not self._in_flight and self.procs:
+                self.park()
 
     def park(self) -> None:
         """Stop every rank until the next job (gloo only: see the module's notes). Only between
@@ -401,7 +432,11 @@ class WorkerPool:
         self.start()
 
     def close(self) -> None:
-        self.wake()
+        with self._parking:
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+            self._in_flight = False
+            self.wake()
         for conn in self.conns:
             try:
                 conn.send(None)

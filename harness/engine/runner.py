@@ -4,6 +4,7 @@ case -> pool (every rank) -> RankResults -> Evidence -> checks (against the orac
 """
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
@@ -62,6 +63,11 @@ class CheckStats:
 # for each new dtype, grad mode or size specialisation, on every rank at once, which takes tens of
 # seconds on a small machine where its other cases take milliseconds (and set the scaled deadline).
 COMPILE_DEADLINE_S = 300.0
+# Pools per size on CPU: the case's own, and one more for the twins of its size that its checks
+# ask for (`Runner.run_together`).
+LANES = 2
+# The cores this process may use (`taskset` included): jobs run together while their ranks fit.
+CORES = len(os.sched_getaffinity(0))
 
 
 def _workers(pool: WorkerPool) -> tuple[int, ...]:
@@ -70,7 +76,8 @@ def _workers(pool: WorkerPool) -> tuple[int, ...]:
 
 
 class Runner:
-    """Owns one persistent pool per TP size for one target; reusable for any number of cases."""
+    """Owns the persistent pools of one target (one per TP, CP and DP size, and a second one of a
+    size where a case and its twin run together); reusable for any number of cases."""
 
     def __init__(self, target_spec: str, device: str = "cpu", collective_timeout_s: float = 20.0,
                  checks: dict[str, Check] | None = None, pools: dict[Any, WorkerPool] | None = None,
@@ -146,33 +153,104 @@ class Runner:
         `meter_memory` False: without the memory meter, for a run no memory check reads (a
         metered run is cached for both; an unmetered one is run again when figures are asked for)."""
         case = self.fit(case)
+        self.run_together([(case, meter_memory)], while_waiting)
+        return self._cache[case]
+
+    def run_together(self, runs: list[tuple[Case, bool]], while_waiting: Callable[[], Any] | None = None) -> None:
+        """Run cases (each with its `meter_memory`) at the same time while their ranks fit in the
+        cores (`CORES`), each on a free pool of its size: the first on its size's first pool, a
+        case of a size already taken on a second pool of that size (`LANES`); the rest one after
+        the other. Results go to the cache; a case the cache answers is not run. On two cores a
+        gloo collective keeps its ranks busy (its TCP loop thread mostly in system calls), so a
+        TP 2 case fills the machine and runs alone; a 16-core runner checks a TP 4 case, its
+        TP 4 twin and its TP 1 twin at once."""
+        taken: set[int] = set()
+        jobs: list[tuple[Case, Any, bool]] = []
+        later: list[tuple[Case, bool]] = []
+        for case, meter_memory in runs:
+            case = self.fit(case)
+            if self._cached(case, meter_memory) or any(job[0] == case for job in jobs):
+                continue
+            pool = self._free_pool(case, taken, sum(len(job[1].procs) for job in jobs))
+            if pool is None:
+                later.append((case, meter_memory))
+                continue
+            taken.add(id(pool))
+            jobs.append((case, pool, meter_memory))
+        if not jobs:
+            return
+        start = time.perf_counter()
+        for case, pool, meter_memory in jobs:
+            if isinstance(pool, WorkerPool):
+                pool.submit(CASE_JOB, [(case, self.target.spec, meter_memory)] * pool.world, self._deadline(pool))
+            else:  # a launched world answers a job in one call (the driver is one of its ranks)
+                self._store(case, pool, meter_memory,
+                            pool.run(CASE_JOB, case, self.target.spec, meter_memory, while_waiting=while_waiting))
+                while_waiting = None
+        if while_waiting is not None:
+            try:
+                while_waiting()
+            except Exception:
+                pass  # left to whoever needs its result, to raise in its own place
+        for case, pool, meter_memory in jobs:
+            if isinstance(pool, WorkerPool):
+                self._store(case, pool, meter_memory, pool.collect())
+        self.run_seconds += time.perf_counter() - start
+        for case, meter_memory in later:  # one at a time, each on its size's first pool
+            self.run(case, meter_memory=meter_memory)
+
+    def _cached(self, case: Case, meter_memory: bool) -> bool:
         if case in self._cache and not (meter_memory and case in self._unmetered):
             self._cache.move_to_end(case)
-            return self._cache[case]
-        pool = self.pool(case.tp, case.dp, getattr(case, "cp", 1))
-        start = time.perf_counter()
-        deadline = None
-        if isinstance(pool, WorkerPool) and pool.case_timeout_s is None:
-            if _workers(pool) not in self._called_on:
-                # The target's first call on these workers imports what it calls (a peer pulling
-                # in transformers), compiles, initialises: start-up, not the cost of a case.
-                deadline = max(pool.case_deadline(), STARTUP_TIMEOUT_S)
-            elif not self.target.supports("eager"):
-                deadline = max(pool.case_deadline(), COMPILE_DEADLINE_S)
-        results = by_group(pool.run(CASE_JOB, case, self.target.spec, meter_memory, deadline_s=deadline,
-                                    while_waiting=while_waiting))
+            return True
+        return False
+
+    def _free_pool(self, case: Case, taken: set[int], busy_ranks: int) -> Any:
+        """A pool of the case's size not in `taken` (ids), started if need be, when the cores
+        left by `busy_ranks` ranks already at work are enough for it; None otherwise."""
+        cp = getattr(case, "cp", 1)
+        first = self.pool(case.tp, case.dp, cp)
+        if busy_ranks and busy_ranks + len(first.procs) > CORES:
+            return None  # ranks sharing cores take turns: running together would gain nothing
+        if id(first) not in taken:
+            return first
+        if not isinstance(first, WorkerPool) or first.backend != "gloo":
+            return None  # a launched world is fixed; GPU pools are not doubled (one device's memory)
+        key = first_key = next(k for k, p in self.pools.items() if p is first)
+        for lane in range(1, LANES):
+            key = ("lane", lane, first_key)
+            if key not in self.pools:
+                self.pools[key] = WorkerPool(case.tp, self.device, self.collective_timeout_s, dp=case.dp,
+                                             case_timeout_s=self.case_timeout_s, cp=cp)
+            if id(self.pools[key]) not in taken:
+                return self.pools[key]
+        return None
+
+    def _deadline(self, pool: WorkerPool) -> float:
+        """The job deadline: the pool's own, but start-up's for the target's first call on these
+        workers and a compiled routine's for every call."""
+        if pool.case_timeout_s is not None:
+            return pool.case_deadline()
+        if _workers(pool) not in self._called_on:
+            # The target's first call on these workers imports what it calls (a peer pulling
+            # in transformers), compiles, initialises: start-up, not the cost of a case.
+            return max(pool.case_deadline(), STARTUP_TIMEOUT_S)
+        if not self.target.supports("eager"):
+            return max(pool.case_deadline(), COMPILE_DEADLINE_S)
+        return pool.case_deadline()
+
+    def _store(self, case: Case, pool: Any, meter_memory: bool, replies: list[RankResult]) -> None:
+        results = by_group(replies)
         if isinstance(pool, WorkerPool):
             self._called_on.add(_workers(pool))  # a rebuilt pool's new workers start afresh
-        self.run_seconds += time.perf_counter() - start
         self.cases_run += 1
         if _needs_rebuild(results) and pool.procs:
             pool.restart()
-        self._cache[case] = ev = Evidence(case, self.target, results)
+        self._cache[case] = Evidence(case, self.target, results)
         self._cache.move_to_end(case)
         (self._unmetered.discard if meter_memory else self._unmetered.add)(case)
         if len(self._cache) > CACHE_SIZE:
             self._unmetered.discard(self._cache.popitem(last=False)[0])
-        return ev
 
     def has_run(self, case: Case) -> bool:
         """Whether `run(case)` would be answered from the cache (costs nothing)."""
@@ -188,8 +266,13 @@ class Runner:
         # The float64 oracle is computed while the ranks run the case (it is cached for the checks).
         applied = {name for name, chk in self.checks.items()
                    if (not only or name in only) and chk.applicable(case, self.target)}
-        ev = self.run(case, while_waiting=lambda: oracle.expected(case),
-                      meter_memory=any(_reads_memory(self.checks[name]) for name in applied))
+        # The twins that may run in other processes run at the same time as the case.
+        alongside = [(twin, _reads_memory(chk)) for chk in self.checks.values()
+                     if chk.name in applied and chk.twin is not None and not chk.twin_in_same_process
+                     for twin in [chk.twin(case)] if twin is not None]
+        self.run_together([(case, any(_reads_memory(self.checks[name]) for name in applied)), *alongside],
+                          while_waiting=lambda: oracle.expected(case))
+        ev = self._cache[case]
         ev = Evidence(case, self.target, ev.ranks)  # fresh twins and margins for this evaluation
         findings = []
         for chk in self.checks.values():

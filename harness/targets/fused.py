@@ -7,14 +7,20 @@ mutation catalog can build a defective variant by subclassing and overriding exa
 The autograd Function below receives the routine instance as a non-tensor argument and calls its
 steps in forward and backward; it holds no algorithm of its own.
 
-Forward, per row chunk ``[s, e)`` (all arithmetic float32):
+Forward, per row chunk ``[s, e)`` (all arithmetic float32), two collectives whatever the options:
 
-* ``m``   = row max, all-reduce MAX                              (stat ``"max"``)
-* ``S``   = sum exp(x - m), all-reduce SUM, ``lse = m + log S``  (stat ``"sumexp"``)
-* ``x_t`` = target logit from the owning shard, all-reduce SUM    (stat ``"target_logit"``)
-* masked: target restored, masked max / sumexp                    (``"masked_max"``, ``"masked_sumexp"``)
-* ``log_prob = x_t - lse_(masked)``
-* entropy ``= log S - sum(e (x - m)) / S``, all-reduce SUM       (stat ``"entropy_term"``)
+* local row maxima of ``x`` (and, under a keep mask, of the masked logits ``xm``, target restored),
+  stacked into **one all-reduce MAX** (stat ``"max"``, masked ``"max+masked_max"``); ``m`` (``mm``)
+  = the global max, 0 for an all ``-inf`` row
+* local sums that need only the global maxima: ``sum exp(x - m)``, the target logit on the owning
+  shard (0 elsewhere), ``sum exp(xm - mm)`` when masked, ``sum e (x - m)`` when the entropy is
+  asked for, stacked into **one all-reduce SUM** (stat ``"sumexp+target_logit"``, then
+  ``+masked_sumexp``, ``+entropy_term``)
+* ``lse = m + log S``, ``log_prob = x_t - lse_(masked)``, entropy ``= log S - sum(e (x - m)) / S``
+
+Stacking changes no arithmetic: every statistic is the same float32 value on each rank, reduced
+elementwise over the ranks. Every rank, in every grad mode, issues the same two collectives per
+chunk (slime #1822); no rows, no chunk, no collective.
 
 Saved for backward (only when the logits require grad): one ``[T, V_local]`` float32 buffer ``q``
 (the masked softmax), the targets and, when the entropy is differentiable, the caller's logits
@@ -97,11 +103,23 @@ class FusedLogProbEntropy:
         return tp_group, dist.get_world_size(tp_group), dist.get_rank(tp_group)
 
     def all_reduce(self, tensor: torch.Tensor, op, group, stat: str) -> torch.Tensor:
-        """Every collective goes through here; ``stat`` names the reduced statistic."""
+        """Every collective goes through here; ``stat`` names the reduced statistic(s)."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
             return tensor
         dist.all_reduce(tensor, op=op, group=group)
         return tensor
+
+    def reduce_stats(self, stats: dict[str, torch.Tensor], op, group) -> dict[str, torch.Tensor]:
+        """The named ``[rows]`` statistics reduced with ``op`` over the group by one collective
+        (stacked, reduced, split back; ``stat`` names them all, joined by ``+``). An empty dict
+        makes no collective."""
+        if not stats:
+            return {}
+        # Reduced elementwise over the ranks, as one collective per statistic would. From 3 ranks on,
+        # gloo's ring adds an element's ranks in an order that follows its place in the buffer
+        # (docs/bitwise.md), so there the last bit can differ from a collective of its own.
+        stacked = self.all_reduce(torch.stack(list(stats.values())), op, group, "+".join(stats))
+        return dict(zip(stats, stacked.unbind(0)))
 
     def shard_start(self, rank: int, v_local: int) -> int:
         """First global vocab id owned by ``rank``."""
@@ -136,26 +154,26 @@ class FusedLogProbEntropy:
         return grad.to(dtype)
 
     # ------------------------------------------------------------------ forward statistics
-    def row_max(self, x: torch.Tensor, group, stat: str) -> torch.Tensor:
-        """Global row max (finite stand-in 0 for an all ``-inf`` row)."""
-        m = x.max(dim=-1).values
-        m = self.all_reduce(m, dist.ReduceOp.MAX, group, stat)
+    def row_max(self, x: torch.Tensor) -> torch.Tensor:
+        """This shard's row max."""
+        return x.max(dim=-1).values
+
+    def finite_shift(self, m: torch.Tensor) -> torch.Tensor:
+        """The global row max as the exponentials' shift; 0 for an all ``-inf`` row, whose
+        ``x - m`` would otherwise be NaN."""
         return torch.where(torch.isneginf(m), torch.zeros_like(m), m)
 
-    def sum_exp(self, x: torch.Tensor, m: torch.Tensor, group, stat: str):
-        """(exp(x - m), global sum of it over the vocab)."""
+    def sum_exp(self, x: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(exp(x - m), this shard's sum of it over the vocab)."""
         e = torch.exp(x - m.unsqueeze(-1))
-        s = self.all_reduce(e.sum(dim=-1), dist.ReduceOp.SUM, group, stat)
-        return e, s
+        return e, e.sum(dim=-1)
 
-    def target_logit(self, x: torch.Tensor, local_ids: torch.Tensor, own: torch.Tensor,
-                     group) -> torch.Tensor:
-        """x[target] from the owning shard, 0 elsewhere, summed over the group."""
+    def target_logit(self, x: torch.Tensor, local_ids: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+        """x[target] on the shard that owns the target, 0 on the others (their sum is x[target])."""
         v_local = x.shape[-1]
         idx = local_ids.clamp(0, max(v_local - 1, 0)).unsqueeze(-1)
         picked = x.gather(-1, idx).squeeze(-1)
-        val = torch.where(own, picked, torch.zeros_like(picked))
-        return self.all_reduce(val, dist.ReduceOp.SUM, group, "target_logit")
+        return torch.where(own, picked, torch.zeros_like(picked))
 
     def restore_target(self, keep_local: torch.Tensor, rows: torch.Tensor,
                        cols: torch.Tensor) -> torch.Tensor:
@@ -168,15 +186,18 @@ class FusedLogProbEntropy:
         """Dropped entries set to -inf, out of place."""
         return x.masked_fill(~keep, float("-inf"))
 
-    def entropy(self, x: torch.Tensor, e: torch.Tensor, m: torch.Tensor, s: torch.Tensor,
-                group) -> torch.Tensor:
-        """H = log S - sum(e (x - m)) / S, with p == 0 entries contributing 0."""
+    def entropy_term(self, x: torch.Tensor, e: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """This shard's sum(e (x - m)), with p == 0 entries contributing 0 (not 0 * -inf)."""
         ex = torch.where(e > 0, e * (x - m.unsqueeze(-1)), torch.zeros_like(e))
-        t = self.all_reduce(ex.sum(dim=-1), dist.ReduceOp.SUM, group, "entropy_term")
+        return ex.sum(dim=-1)
+
+    def entropy(self, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """H = log S - sum(e (x - m)) / S, from the global sums."""
         return torch.log(s) - t / s
 
     def entropy_inputs(self, unmasked: tuple, masked: tuple) -> tuple:
-        """The softmax statistics the entropy is computed from: the unmasked ones, always."""
+        """The softmax the entropy is computed from, as (logits, exponentials, shift, name of the
+        sum of exponentials): the unmasked one, always."""
         return unmasked
 
     def softmax_into(self, out: Optional[torch.Tensor], e: torch.Tensor,
@@ -223,25 +244,36 @@ class FusedLogProbEntropy:
             x = self.upcast(logits[s:e])
             local = tokens[s:e] - start
             own = self.owned(local, v_local)
-            m = self.row_max(x, group, "max")
-            ex, se = self.sum_exp(x, m, group, "sumexp")
-            lse = m + torch.log(se)
-            xt = self.target_logit(x, local, own, group)
+            maxima = {"max": self.row_max(x)}
+            if keep_mask is not None:
+                rows = own.nonzero(as_tuple=True)[0]
+                xm = self.masked_logits(x, self.restore_target(keep_mask[s:e], rows, local[rows]))
+                maxima["masked_max"] = self.row_max(xm)
+            # Every local sum needs the global maxima and nothing else global: one MAX collective,
+            # then one SUM collective, whatever the options.
+            maxima = self.reduce_stats(maxima, dist.ReduceOp.MAX, group)
+            m = self.finite_shift(maxima["max"])
+            ex, local_sum = self.sum_exp(x, m)
+            sums = {"sumexp": local_sum, "target_logit": self.target_logit(x, local, own)}
+            ent_in = (x, ex, m, "sumexp")
+            if keep_mask is not None:
+                mm = self.finite_shift(maxima["masked_max"])
+                exm, sums["masked_sumexp"] = self.sum_exp(xm, mm)
+                ent_in = self.entropy_inputs(ent_in, (xm, exm, mm, "masked_sumexp"))
+            ent_x, ent_e, ent_m, ent_sum = ent_in
+            if with_entropy:
+                sums["entropy_term"] = self.entropy_term(ent_x, ent_e, ent_m)
+            sums = self.reduce_stats(sums, dist.ReduceOp.SUM, group)
+            lse = m + torch.log(sums["sumexp"])
             q_rows = q_buf[s:e] if q_buf is not None else None
             if keep_mask is None:
-                lps.append(xt - lse)
-                self.softmax_into(q_rows, ex, se)
+                lps.append(sums["target_logit"] - lse)
+                self.softmax_into(q_rows, ex, sums["sumexp"])
             else:
-                rows = own.nonzero(as_tuple=True)[0]
-                keep = self.restore_target(keep_mask[s:e], rows, local[rows])
-                xm = self.masked_logits(x, keep)
-                mm = self.row_max(xm, group, "masked_max")
-                exm, sem = self.sum_exp(xm, mm, group, "masked_sumexp")
-                lps.append(xt - (mm + torch.log(sem)))
-                self.softmax_into(q_rows, exm, sem)
-                x, ex, m, se = self.entropy_inputs((x, ex, m, se), (xm, exm, mm, sem))
+                lps.append(sums["target_logit"] - (mm + torch.log(sums["masked_sumexp"])))
+                self.softmax_into(q_rows, exm, sums["masked_sumexp"])
             if with_entropy:
-                ents.append(self.entropy(x, ex, m, se, group))
+                ents.append(self.entropy(sums[ent_sum], sums["entropy_term"]))
             lses.append(lse)
         empty = torch.empty(0, dtype=f32, device=dev)
         log_prob = self.concat(lps, empty)

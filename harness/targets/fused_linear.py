@@ -6,8 +6,9 @@ entropy (docs/fused-linear.md), the default target of the `linear` level.
 
 It builds on the kernel routine: the same collective and statistic steps, per row chunk, on logits
 it computes itself. Forward, per chunk ``[s, e)`` (all float32):
-``x = h[s:e] W^T`` (float32 accumulation whatever the inputs' dtype), then the kernel's all-reduces
-(``max``, ``sumexp``, ``target_logit``, ``entropy_term``). Saved for backward: the caller's
+``x = h[s:e] W^T`` (float32 accumulation whatever the inputs' dtype), then the kernel's two collectives:
+one all-reduce MAX of the row maxima (stat ``"max"``), one all-reduce SUM of the stacked local sums
+(``"sumexp+target_logit"``, ``+entropy_term`` with the entropy). Saved for backward: the caller's
 ``hidden``, ``weight`` and ``tokens`` (no copies) and the per-row ``lse`` (and ``entropy`` when it is
 differentiable): O(T) beyond the inputs, never a ``[T, V_local]`` buffer. Backward recomputes each
 chunk's logits and softmax, forms the logit gradient ``G``, and accumulates ``dh = G W`` (all-reduced
@@ -17,7 +18,7 @@ only the gradients asked for (a frozen input, one that requires no grad, costs n
 
 Like the kernel routine, every concern is a method, so a mutant overrides exactly one
 (`harness/targets/mutants/linear.py`). The steps here are a mixin: the statistics and collectives
-(``row_max``, ``sum_exp``, ``target_logit``, ``entropy``, ``all_reduce``, ...) are the kernel
+(``reduce_stats``, ``row_max``, ``sum_exp``, ``target_logit``, ``entropy``, ...) are the kernel
 routine's, and `harness.targets.fused` combines the two into ``FusedLinearLogProbEntropy`` (which
 is how the default target provides all three levels without an import cycle).
 """
@@ -84,12 +85,16 @@ class FusedLinearSteps:
             x = self.chunk_logits(hidden[s:e], w32)
             local = tokens[s:e] - start
             own = self.owned(local, v_local)
-            m = self.row_max(x, group, "max")
-            ex, se = self.sum_exp(x, m, group, "sumexp")
-            lse = m + torch.log(se)
-            lps.append(self.target_logit(x, local, own, group) - lse)
+            m = self.finite_shift(self.reduce_stats({"max": self.row_max(x)}, dist.ReduceOp.MAX, group)["max"])
+            ex, local_sum = self.sum_exp(x, m)
+            sums = {"sumexp": local_sum, "target_logit": self.target_logit(x, local, own)}
             if with_entropy:
-                ents.append(self.entropy(x, ex, m, se, group))
+                sums["entropy_term"] = self.entropy_term(x, ex, m)
+            sums = self.reduce_stats(sums, dist.ReduceOp.SUM, group)
+            lse = m + torch.log(sums["sumexp"])
+            lps.append(sums["target_logit"] - lse)
+            if with_entropy:
+                ents.append(self.entropy(sums["sumexp"], sums["entropy_term"]))
             lses.append(lse)
         empty = torch.empty(0, dtype=f32, device=hidden.device)
         log_prob = self.concat(lps, empty)

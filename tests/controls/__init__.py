@@ -4,7 +4,8 @@ Each module exports `calculate_log_probs_and_entropy` (Level 1) and `get_log_pro
 (Level 2, the shared wrapper of `_wrapper.make_wrapper` bound to that module's kernel), so
 `python -m harness check --target tests.controls.NAME` must report no finding on any of them.
 Every one uses a different algorithm, and none the built-in routine's (harness/targets/fused.py:
-separate max / sumexp / target all-reduces with a saved float32 softmax):
+max-shifted exponentials, one stacked MAX and one stacked SUM all-reduce per chunk, a saved float32
+softmax):
 
 - `unshifted`: entropy = lse - sum(p * x) on unshifted logits; two stacked all-reduces per chunk
   (MAX, SUM); saves no [T, V_local] tensor, backward recomputes from the logits and lse.

@@ -11,10 +11,12 @@ TP_ONLY = (2, 4)  # a collective or sharding defect is invisible on a single ran
 
 
 def _skip_stat(stat_name: str) -> type[Fused]:
-    class SkipsOneAllReduce(Fused):
-        def all_reduce(self, tensor, op, group, stat):
-            return tensor if stat == stat_name else super().all_reduce(tensor, op, group, stat)
-    return SkipsOneAllReduce
+    class SkipsOneReduction(Fused):
+        def reduce_stats(self, stats, op, group):
+            # Left out of the stacked reduction: this shard's value is used as if it were the global one.
+            reduced = super().reduce_stats({k: v for k, v in stats.items() if k != stat_name}, op, group)
+            return {**stats, **reduced}
+    return SkipsOneReduction
 
 
 for _stat in ("max", "sumexp", "target_logit", "entropy_term"):
@@ -114,11 +116,13 @@ class EmptyInputCrash(Fused):
 @mutant("rank-divergent-collective", "rank-divergent collective", ("collectives",),
         "slime #1822 (metric-only entropy left collectives unmatched: comm stuck)", tp=TP_ONLY)
 class RankDivergentCollective(Fused):
-    def entropy(self, x, e, m, s, group):
-        if dist.is_initialized() and dist.get_rank(group) == 0 and x.shape[0] % 2:
-            # Rank 0 alone issues one more all-reduce, on odd-sized chunks only.
+    def reduce_stats(self, stats, op, group):
+        reduced = super().reduce_stats(stats, op, group)
+        odd_chunk = "entropy_term" in stats and stats["entropy_term"].shape[0] % 2
+        if odd_chunk and dist.is_initialized() and dist.get_rank(group) == 0:
+            # Rank 0 alone issues one more all-reduce after the entropy's, on odd-sized chunks only.
             self.all_reduce(torch.zeros(1), dist.ReduceOp.SUM, group, "entropy_term")
-        return super().entropy(x, e, m, s, group)
+        return reduced
 
 
 @mutant("fp16-rejected", "a supported input dtype rejected", ("crash",))
@@ -132,9 +136,8 @@ class Fp16Rejected(Fused):
 @mutant("entropy-nan-at-neginf", "0 * -inf in the entropy: NaN where a logit is -inf", ("finite", "values"),
         "found in slime's current main: NaN entropy and gradients when a logit is -inf")
 class EntropyNanAtNegInf(Fused):
-    def entropy(self, x, e, m, s, group):
-        t = self.all_reduce((e * (x - m.unsqueeze(-1))).sum(dim=-1), dist.ReduceOp.SUM, group, "entropy_term")
-        return torch.log(s) - t / s
+    def entropy_term(self, x, e, m):
+        return (e * (x - m.unsqueeze(-1))).sum(dim=-1)
 
 
 @mutant("extra-allreduce-rank0-metric-only", "one more collective on rank 0 when the entropy is metric-only",
