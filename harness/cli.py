@@ -300,9 +300,19 @@ def main(argv: list[str] | None = None, pools: dict | None = None) -> int:
         print(f"harness: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        signum = pool.interrupted_by() or signal.SIGINT
-        print(f"harness: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
-        return 128 + int(signum)
+        return _interrupted()
+    except Exception:
+        # An error raised once interrupted is the interrupt's: Hypothesis, interrupted while it
+        # starts its engine, fails its own assertion instead of passing the KeyboardInterrupt on.
+        if pool.interrupted_by():
+            return _interrupted()
+        raise
+
+
+def _interrupted() -> int:
+    signum = pool.interrupted_by() or signal.SIGINT
+    print(f"harness: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+    return 128 + int(signum)
 
 
 if __name__ == "__main__":

@@ -112,6 +112,27 @@ def test_ctrl_c_stops_the_run_and_leaves_no_process():
     assert not [p for p in children if os.path.exists(f"/proc/{p}")], "workers outlived the run"
 
 
+def test_an_error_raised_after_an_interrupt_still_ends_as_interrupted(monkeypatch, capsys):
+    """Hypothesis, interrupted while it starts its engine, raises AssertionError, not the interrupt."""
+    from harness import cli
+    from harness.engine import pool
+
+    def broken(interrupted: bool):
+        def command(ns, cfg):
+            if interrupted:
+                monkeypatch.setattr(pool, "_interrupted", signal.SIGINT)  # as Ctrl-C's handler records it
+            raise AssertionError("state._runner is not None")
+        return command
+
+    monkeypatch.setattr(cli, "cmd_check", broken(interrupted=True))
+    assert cli.main(["check", "--profile", "smoke"]) == 130
+    assert "interrupted by SIGINT" in capsys.readouterr().err
+    monkeypatch.setattr(pool, "_interrupted", 0)
+    monkeypatch.setattr(cli, "cmd_check", broken(interrupted=False))
+    with pytest.raises(AssertionError):  # without an interrupt, an error is an error
+        cli.main(["check", "--profile", "smoke"])
+
+
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
