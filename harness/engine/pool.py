@@ -355,11 +355,7 @@ class WorkerPool:
         `while_waiting`: main-process work done while the ranks run (its failure is left to whoever
         needs its result, to raise in its own place)."""
         self.submit(fn_path, args_per_rank, deadline_s)
-        if while_waiting is not None:
-            try:
-                while_waiting()
-            except Exception:
-                pass
+        meanwhile(while_waiting)
         return self.collect()
 
     def submit(self, fn_path: str, args_per_rank: list[tuple], deadline_s: float) -> None:
@@ -459,6 +455,16 @@ class WorkerPool:
 
 
 _LIVE: set[WorkerPool] = set()
+
+
+def meanwhile(work: Callable[[], Any] | None) -> None:
+    """Main-process work done while ranks run a job; its failure is left to whoever needs its
+    result, to raise in its own place."""
+    if work is not None:
+        try:
+            work()
+        except Exception:
+            pass
 
 
 @atexit.register

@@ -15,7 +15,7 @@ from cases.case import Case, parse_case
 from harness.checks import Check, Evidence, all_checks, oracle
 from harness.engine import torchrun
 from harness.engine.executor import CASE_JOB
-from harness.engine.pool import STARTUP_TIMEOUT_S, WorkerPool
+from harness.engine.pool import STARTUP_TIMEOUT_S, WorkerPool, meanwhile
 from harness.errors import LaunchError, TargetError
 from harness.findings import Finding, repro_command
 from harness.known import KnownFindings, load as load_known
@@ -68,6 +68,12 @@ COMPILE_DEADLINE_S = 300.0
 LANES = 2
 # The cores this process may use (`taskset` included): jobs run together while their ranks fit.
 CORES = len(os.sched_getaffinity(0))
+
+
+def _pool_key(tp: int, dp: int, cp: int) -> Any:
+    """A pool's key in `Runner.pools` (shared with a test session's): `tp`, `(tp, dp)` for DP > 1,
+    `(tp, cp, dp)` for CP > 1."""
+    return tp if dp == cp == 1 else (tp, dp) if cp == 1 else (tp, cp, dp)
 
 
 def _workers(pool: WorkerPool) -> tuple[int, ...]:
@@ -129,9 +135,8 @@ class Runner:
         return new
 
     def pool(self, tp: int, dp: int = 1, cp: int = 1) -> WorkerPool:
-        """The pool of TP-`tp` groups, `cp` x `dp` of them in one world (keyed `tp`, `(tp, dp)` for
-        DP > 1, `(tp, cp, dp)` for CP > 1)."""
-        key: Any = tp if dp == cp == 1 else (tp, dp) if cp == 1 else (tp, cp, dp)
+        """The pool of TP-`tp` groups, `cp` x `dp` of them in one world (keyed by `_pool_key`)."""
+        key = _pool_key(tp, dp, cp)
         if key not in self.pools:
             # under torchrun: the launched ranks instead of a pool of our own (one TP group per world)
             if cp > 1 and torchrun.active():
@@ -187,11 +192,7 @@ class Runner:
                 self._store(case, pool, meter_memory,
                             pool.run(CASE_JOB, case, self.target.spec, meter_memory, while_waiting=while_waiting))
                 while_waiting = None
-        if while_waiting is not None:
-            try:
-                while_waiting()
-            except Exception:
-                pass  # left to whoever needs its result, to raise in its own place
+        meanwhile(while_waiting)
         for case, pool, meter_memory in jobs:
             if isinstance(pool, WorkerPool):
                 self._store(case, pool, meter_memory, pool.collect())
@@ -216,9 +217,8 @@ class Runner:
             return first
         if not isinstance(first, WorkerPool) or first.backend != "gloo":
             return None  # a launched world is fixed; GPU pools are not doubled (one device's memory)
-        key = first_key = next(k for k, p in self.pools.items() if p is first)
         for lane in range(1, LANES):
-            key = ("lane", lane, first_key)
+            key = ("lane", lane, _pool_key(case.tp, case.dp, cp))
             if key not in self.pools:
                 self.pools[key] = WorkerPool(case.tp, self.device, self.collective_timeout_s, dp=case.dp,
                                              case_timeout_s=self.case_timeout_s, cp=cp)
@@ -266,14 +266,13 @@ class Runner:
         # The float64 oracle is computed while the ranks run the case (it is cached for the checks).
         applied = {name for name, chk in self.checks.items()
                    if (not only or name in only) and chk.applicable(case, self.target)}
+        twins = {name: self.checks[name].twin(case) for name in applied if self.checks[name].twin is not None}
         # The twins that may run in other processes run at the same time as the case.
-        alongside = [(twin, _reads_memory(chk)) for chk in self.checks.values()
-                     if chk.name in applied and chk.twin is not None and not chk.twin_in_same_process
-                     for twin in [chk.twin(case)] if twin is not None]
+        alongside = [(twin, _reads_memory(self.checks[name])) for name, twin in twins.items()
+                     if twin is not None and not self.checks[name].twin_in_same_process]
         self.run_together([(case, any(_reads_memory(self.checks[name]) for name in applied)), *alongside],
                           while_waiting=lambda: oracle.expected(case))
-        ev = self._cache[case]
-        ev = Evidence(case, self.target, ev.ranks)  # fresh twins and margins for this evaluation
+        ev = Evidence(case, self.target, self._cache[case].ranks)  # fresh twins and margins for this evaluation
         findings = []
         for chk in self.checks.values():
             if chk.name not in applied:
@@ -283,7 +282,7 @@ class Runner:
             if chk.needs and not ev.completed(chk.needs):
                 continue
             if chk.twin is not None:
-                twin_case = chk.twin(case)
+                twin_case = twins[chk.name]
                 if twin_case is None:
                     continue
                 twin = self.run(twin_case, meter_memory=_reads_memory(chk))
