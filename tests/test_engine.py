@@ -5,8 +5,10 @@ import os
 import time
 
 import pytest
+import torch
 
 from cases.case import KernelCase, WrapperCase, parse_case
+from harness.engine import pool as pool_module
 from harness.engine.runner import Runner
 from harness.observations import RankResult
 
@@ -63,6 +65,26 @@ def test_idle_gloo_pool_is_stopped_between_jobs_and_costs_nothing(tp2):
     time.sleep(0.5)
     assert [_wakeups(p) for p in pids] == before, "a stopped rank's gloo loop threads must not wake"
     assert tp2.run("tests.pool_jobs:all_reduce_sum") == [3.0, 3.0], "a woken pool must work as before"
+
+
+def test_driver_leaves_the_cores_to_its_cpu_ranks(monkeypatch):
+    """While a gloo pool runs, the driver computes on one intra-op thread (its idle OpenMP threads
+    would spin on the ranks' cores); once no CPU pool is left, its own setting comes back."""
+    monkeypatch.setattr(pool_module, "_LIVE", set())  # the session's pools stay out of this
+    monkeypatch.setattr(pool_module, "_DRIVER_THREADS", None)
+    own = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        pool = pool_module.WorkerPool(1)
+        try:
+            assert torch.get_num_threads() == 1
+            pool.restart()  # a rebuilt pool keeps it so
+            assert torch.get_num_threads() == 1
+        finally:
+            pool.close()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(own)
 
 
 def test_hung_rank_is_named_and_pool_rebuilt(tp2):

@@ -148,6 +148,23 @@ def test_peak_is_exact_and_inputs_never_count():
     assert meter.figures["retained"] == 500
 
 
+def test_views_cost_nothing_and_copying_composites_count():
+    """Views pass the meter by (their schema says they alias); but under inference_mode the
+    composites that return a view *or a copy* (contiguous, reshape) reach the meter undecomposed,
+    and a copy they make must count like any other allocation."""
+    x = torch.randn(13, 7)
+    row = 13 * 7 * 4
+    for mode in (torch.enable_grad, torch.inference_mode):
+        meter = _meter(x)
+        with mode(), meter.forward():
+            views = [x.t(), x[2:5], x.unsqueeze(0), x.view(91), x.reshape(7, 13), x.contiguous()]
+            copies = [x.t().contiguous(), x.t().reshape(91)]
+        meter.outputs(*views, *copies)
+        assert meter.figures["retained"] == 2 * row, mode
+        assert sorted(t["op"] for t in meter.figures["retained_tensors"]) in (
+            ["clone", "clone"], ["contiguous", "reshape"]), mode
+
+
 def test_measuring_keeps_autograds_inplace_error():
     """With saved-tensor hooks autograd skips its version check; the meter makes it itself."""
     for metered in (False, True):

@@ -227,6 +227,8 @@ class WorkerPool:
             with warnings.catch_warnings():  # optional-dependency notices, not ours to show
                 warnings.simplefilter("ignore")
                 import megatron.core.parallel_state  # noqa: F401
+        if self.backend == "gloo":
+            _leave_cores_to_ranks()
         ctx = mp.get_context(self.start_method)
         label = f"tp{self.tp}" + (f"cp{self.cp}" if self.cp > 1 else "") + (f"dp{self.dp}" if self.dp > 1 else "")
         self.store_dir = tempfile.mkdtemp(prefix=f"harness-{label}-")
@@ -452,9 +454,30 @@ class WorkerPool:
             shutil.rmtree(self.store_dir, ignore_errors=True)
             self.store_dir = None
         _LIVE.discard(self)
+        if not any(pool.backend == "gloo" for pool in _LIVE):
+            _restore_driver_threads()
 
 
 _LIVE: set[WorkerPool] = set()
+_DRIVER_THREADS: int | None = None  # the driver's intra-op threads before its first CPU pool started
+
+
+def _leave_cores_to_ranks() -> None:
+    """While CPU ranks run, the driver computes (oracle, checks, unpickling) on one intra-op thread.
+    With more, its small float64 ops go parallel and the idle OpenMP thread spins between them,
+    taking a core from the ranks: on 2 cores the driver used 2.2 CPU-s for 100 TP 2 cases instead
+    of 0.9, and the ranks ran that much slower (docs/performance.md)."""
+    global _DRIVER_THREADS
+    if _DRIVER_THREADS is None:
+        _DRIVER_THREADS = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+
+def _restore_driver_threads() -> None:
+    global _DRIVER_THREADS
+    if _DRIVER_THREADS is not None:
+        torch.set_num_threads(_DRIVER_THREADS)
+        _DRIVER_THREADS = None
 
 
 def meanwhile(work: Callable[[], Any] | None) -> None:

@@ -109,6 +109,37 @@ def _arg_keys(args: tuple, kwargs: dict) -> set[int | None]:
     return keys
 
 
+# How the meter treats an op, from its schema: a view allocates nothing; an op whose outputs may
+# alias an input (in place, out=, and the composites that return a view or a copy: contiguous,
+# reshape, to, which can reach the mode undecomposed) can return an input's storage or a new one;
+# a collective gets aliases of its tensors (see `_alias`); any other op's outputs are new storages. Cached by the op's id (ops are
+# process-lifetime singletons; hashing one calls Python), with the name findings give it.
+_VIEW, _ALIASING, _COLLECTIVE, _FUNCTIONAL = "view", "aliasing", "collective", "functional"
+_KINDS: dict[int, tuple[str, str]] = {}
+_DTYPES: dict[torch.dtype, str] = {}
+_NONE: frozenset = frozenset()
+
+
+def _kind(func: Any) -> tuple[str, str]:
+    name = func.overloadpacket.__name__
+    if func.namespace == "c10d":
+        return _COLLECTIVE, name
+    if getattr(func, "is_view", False) and not torch._C._dispatch_has_kernel_for_dispatch_key(
+            func.name(), "CompositeImplicitAutograd"):
+        return _VIEW, name
+    schema = getattr(func, "_schema", None)
+    if schema is None or any(r.alias_info is not None for r in schema.returns):
+        return _ALIASING, name
+    return _FUNCTIONAL, name
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPES.get(dtype)
+    if name is None:
+        name = _DTYPES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
 def _top(entries: Any) -> list[dict[str, Any]]:
     return [e.describe() for e in sorted(entries, key=lambda e: -e.nbytes)[:TOP]]
 
@@ -124,7 +155,18 @@ def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
 
 
 class Meter(TorchDispatchMode):
-    """Live bytes of every storage allocated or saved during `forward()` and `backward()`."""
+    """Live bytes of every storage allocated or saved during `forward()` and `backward()`.
+
+    It sees every aten op of the call (a thousand for a small chunked case), so each op's cost
+    counts: views pass straight through, and only an op whose schema lets an output alias an
+    input compares the output's storage with its arguments'."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # By default torch wraps __torch_dispatch__ in a Dynamo-disabling frame (a third of a
+        # pass-through mode's cost per op). The meter never runs around a compiled routine
+        # (`executor.metered`), so there is no Dynamo frame to keep out.
+        return False
 
     def __init__(self, inputs: Any, device: torch.device, active: bool = True):
         """`active` False: measure nothing (no dispatch mode, no saved-tensor hooks; `figures`
@@ -162,7 +204,7 @@ class Meter(TorchDispatchMode):
 
     def _add(self, key: int, t: torch.Tensor, op: str) -> Storage:
         st = t.untyped_storage()
-        entry = Storage(st.nbytes(), tuple(t.shape), str(t.dtype).removeprefix("torch."), op)
+        entry = Storage(st.nbytes(), tuple(t.shape), _dtype_name(t.dtype), op)
         self._live[key] = entry
         self._refs[key] = weakref.ref(st, partial(self._freed, key))
         self._current += entry.nbytes
@@ -201,14 +243,17 @@ class Meter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        kind, name = _KINDS.get(id(func)) or _KINDS.setdefault(id(func), _kind(func))
+        if kind is _VIEW:  # allocates nothing; frees are accounted before the next allocation
+            return func(*args, **kwargs)
         if self._aliases or self._dead:
             self._settle()
-        if func.namespace == "c10d":
+        if kind is _COLLECTIVE:
             args, kwargs = self._alias(args), {k: self._alias(v) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
         if self._dead:
             self._drain()  # what the op freed, before what it allocated
-        seen = None
+        seen = _NONE if kind is _FUNCTIONAL else None
         for t in (out,) if isinstance(out, torch.Tensor) else _tensors(out):
             key = _key(t)
             if key is None or key in self._inputs:
@@ -224,7 +269,7 @@ class Meter(TorchDispatchMode):
             if seen is None:
                 seen = _arg_keys(args, kwargs)
             if key not in seen:
-                self._add(key, t, func.overloadpacket.__name__)
+                self._add(key, t, name)
         return out
 
     def _pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
