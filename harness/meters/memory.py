@@ -112,11 +112,11 @@ def _arg_keys(args: tuple, kwargs: dict) -> set[int | None]:
 # How the meter treats an op, from its schema: a view allocates nothing; an op whose outputs may
 # alias an input (in place, out=, and the composites that return a view or a copy: contiguous,
 # reshape, to, which can reach the mode undecomposed) can return an input's storage or a new one;
-# a collective gets aliases of its tensors (see `_alias`); any other op's outputs are new storages. Cached by the op's id (ops are
-# process-lifetime singletons; hashing one calls Python), with the name findings give it.
+# a collective gets aliases of its tensors (see `_alias`); any other op's outputs are new
+# storages. Cached by the op's id (ops are process-lifetime singletons; hashing one calls
+# Python), with the name findings give it.
 _VIEW, _ALIASING, _COLLECTIVE, _FUNCTIONAL = "view", "aliasing", "collective", "functional"
 _KINDS: dict[int, tuple[str, str]] = {}
-_DTYPES: dict[torch.dtype, str] = {}
 _NONE: frozenset = frozenset()
 
 
@@ -131,13 +131,6 @@ def _kind(func: Any) -> tuple[str, str]:
     if schema is None or any(r.alias_info is not None for r in schema.returns):
         return _ALIASING, name
     return _FUNCTIONAL, name
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = _DTYPES.get(dtype)
-    if name is None:
-        name = _DTYPES[dtype] = str(dtype).removeprefix("torch.")
-    return name
 
 
 def _top(entries: Any) -> list[dict[str, Any]]:
@@ -204,7 +197,7 @@ class Meter(TorchDispatchMode):
 
     def _add(self, key: int, t: torch.Tensor, op: str) -> Storage:
         st = t.untyped_storage()
-        entry = Storage(st.nbytes(), tuple(t.shape), _dtype_name(t.dtype), op)
+        entry = Storage(st.nbytes(), tuple(t.shape), str(t.dtype).removeprefix("torch."), op)
         self._live[key] = entry
         self._refs[key] = weakref.ref(st, partial(self._freed, key))
         self._current += entry.nbytes
