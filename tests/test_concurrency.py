@@ -79,3 +79,40 @@ def test_a_hanging_twin_alongside_its_case_is_found_and_both_pools_recover(harne
     assert any(r.error_kind in ("stuck", "timeout") for r in twin.ranks)
     _, after = runner.check(parse_case("kernel:tp=2,T=3,v_local=4,seed=35"))
     assert after == []
+
+
+def test_checks_are_evaluated_while_the_next_twin_runs(harness_pools, jobs, monkeypatch):
+    """One job at a time (two cores at TP 2): the checks that need no twin are evaluated while the
+    ranks run the first twin, each twin's check while the next twin runs; the findings come back
+    in the registry's order whatever order they were evaluated in."""
+    import dataclasses
+
+    monkeypatch.setattr(runner_module, "CORES", 1)
+    runner = Runner("harness.targets.fused", pools=harness_pools)
+
+    def logged(chk):
+        def fn(ev):
+            jobs.append(("evaluate", chk.name))
+            return chk.fn(ev)
+        return dataclasses.replace(chk, fn=fn)
+
+    runner.checks = {name: logged(chk) for name, chk in runner.checks.items()}
+    case = parse_case("kernel:tp=2,T=6,v_local=7,chunk_size=2,seed=36")
+    _, findings = runner.check(case)
+    assert findings == []
+    kinds = [kind for kind, _ in jobs]
+    assert kinds[:2] == ["submit", "collect"]  # the case; its oracle is computed meanwhile
+    second = kinds.index("submit", 2)  # the first twin
+    evaluated_meanwhile = [what for kind, what in jobs[second:kinds.index("collect", second)] if kind == "evaluate"]
+    assert "values" in evaluated_meanwhile and "chunk-invariance" not in evaluated_meanwhile
+    assert {"chunk-invariance", "tp-invariance"} <= {what for kind, what in jobs if kind == "evaluate"}
+
+
+def test_findings_keep_the_registry_order(harness_pools, monkeypatch):
+    monkeypatch.setattr(runner_module, "CORES", 1)
+    runner = Runner("mutant:wrong-shard-offset", pools=harness_pools)
+    _, findings = runner.check(parse_case("kernel:tp=2,T=6,v_local=7,chunk_size=2,seed=37"))
+    order = list(runner.checks)
+    # values is evaluated while the first twin runs, tp-invariance once its twin has run
+    assert {"values", "tp-invariance"} <= {f.check for f in findings}
+    assert [f.check for f in findings] == sorted((f.check for f in findings), key=order.index)

@@ -28,7 +28,6 @@ import atexit
 import ctypes
 import importlib
 import os
-import pickle
 import shutil
 import signal
 import statistics
@@ -47,7 +46,7 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
-from harness.engine import stacks
+from harness.engine import stacks, wire
 from harness.engine.progress import ProgressBoard
 from harness.errors import PoolStartError
 from harness.meters.trace import fmt_event
@@ -96,10 +95,8 @@ def resolve(path: str) -> Any:
 
 
 def _reply(conn: Connection, obj: Any) -> None:
-    """Send a reply to the driver by value. torch.multiprocessing's pickler would share every
-    tensor through a file descriptor that lives as long as the driver keeps the tensor: a run
-    that caches thousands of observations ran out of descriptors ("Too many open files")."""
-    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    """Send a reply to the driver by value (`wire`)."""
+    conn.send_bytes(wire.dumps(obj))
 
 
 def coordinates(rank: int, tp: int, cp: int) -> tuple[int, int, int]:
@@ -186,9 +183,7 @@ class WorkerPool:
         self.stuck_events = 0
         self.parked = False
         self._submitted = self._deadline = 0.0  # the job in flight (`submit`)
-        self._in_flight = False
-        self._idle_timer: threading.Timer | None = None
-        self._parking = threading.Lock()  # the idle timer's thread parks; the driver wakes
+        self.idle_since: float | None = None  # when its last job was collected; None while one is in flight
         self.start()
 
     @property
@@ -250,7 +245,8 @@ class WorkerPool:
             self.close()
             size = f"TP {self.tp}" + (f" x CP {self.cp}" if self.cp > 1 else "") + (f" x DP {self.dp}" if self.dp > 1 else "")
             raise PoolStartError(f"{size} pool failed to start: " + "; ".join(bad))
-        self.park()
+        with _PARKING:
+            self.park()
 
     def _result(self, r: int, error: str, kind: str, trace: list | None = None) -> RankResult:
         """The pool's own result for world rank r, which gave no answer of its own."""
@@ -305,7 +301,7 @@ class WorkerPool:
                 if obj in pending:
                     r = pending.pop(obj)
                     try:
-                        replies[r] = pickle.loads(obj.recv_bytes())
+                        replies[r] = wire.loads(obj.recv_bytes())
                     except (EOFError, OSError):
                         pass
                     if raised_at is None and isinstance(replies.get(r), RankResult) and replies[r].error:
@@ -365,10 +361,8 @@ class WorkerPool:
         driver may submit to other pools: they work at the same time."""
         if _interrupted:
             raise KeyboardInterrupt  # the first one was swallowed (e.g. raised inside a finalizer)
-        with self._parking:
-            self._in_flight = True
-            if self._idle_timer is not None:
-                self._idle_timer.cancel()
+        with _PARKING:
+            self.idle_since = None
             self.wake()
         if self.board is not None:
             self.board.reset()
@@ -387,17 +381,17 @@ class WorkerPool:
             self.restart()
         else:
             self.job_seconds.append(time.monotonic() - self._submitted)
-            with self._parking:
-                self._in_flight = False
-                self._idle_timer = threading.Timer(IDLE_PARK_S, self._park_if_idle)
-                self._idle_timer.daemon = True
-                self._idle_timer.start()
+            self._idle()
         return replies
 
-    def _park_if_idle(self) -> None:
-        with self._parking:
-            if not self._in_flight and self.procs:
-                self.park()
+    def _idle(self) -> None:
+        """From now on the parking thread may stop it (`_park_idle_pools`)."""
+        global _parker
+        with _PARKING:
+            self.idle_since = time.monotonic()
+            if _parker is None and self.backend == "gloo":
+                _parker = threading.Thread(target=_park_idle_pools, name="harness-pool-parking", daemon=True)
+                _parker.start()
 
     def park(self) -> None:
         """Stop every rank until the next job (gloo only: see the module's notes). Only between
@@ -430,10 +424,8 @@ class WorkerPool:
         self.start()
 
     def close(self) -> None:
-        with self._parking:
-            if self._idle_timer is not None:
-                self._idle_timer.cancel()
-            self._in_flight = False
+        with _PARKING:
+            self.idle_since = None
             self.wake()
         for conn in self.conns:
             try:
@@ -459,6 +451,27 @@ class WorkerPool:
 
 
 _LIVE: set[WorkerPool] = set()
+# Parking and waking happen under one lock, so a pool is never stopped between a job's wake and its send.
+_PARKING = threading.Lock()
+_parker: threading.Thread | None = None  # the parking thread, while a gloo pool lives
+
+
+def _park_idle_pools() -> None:
+    """One thread for every pool (not a timer per job: a case's runs would start a thread each):
+    every half IDLE_PARK_S it stops the gloo pools that have had no job for IDLE_PARK_S, and it
+    ends once no pool is left."""
+    global _parker
+    while True:
+        time.sleep(IDLE_PARK_S / 2)
+        with _PARKING:
+            pools = list(_LIVE)  # one C call: atomic while close() discards from another thread
+            if not pools:
+                _parker = None
+                return
+            now = time.monotonic()
+            for pool in pools:
+                if pool.idle_since is not None and now - pool.idle_since >= IDLE_PARK_S and pool.procs:
+                    pool.park()
 _DRIVER_THREADS: int | None = None  # the driver's intra-op threads before its first CPU pool started
 
 

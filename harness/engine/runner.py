@@ -161,14 +161,15 @@ class Runner:
         self.run_together([(case, meter_memory)], while_waiting)
         return self._cache[case]
 
-    def run_together(self, runs: list[tuple[Case, bool]], while_waiting: Callable[[], Any] | None = None) -> None:
+    def run_together(self, runs: list[tuple[Case, bool]],
+                     while_waiting: Callable[[], Any] | None = None) -> list[tuple[Case, bool]]:
         """Run cases (each with its `meter_memory`) at the same time while their ranks fit in the
         cores (`CORES`), each on a free pool of its size: the first on its size's first pool, a
-        case of a size already taken on a second pool of that size (`LANES`); the rest one after
-        the other. Results go to the cache; a case the cache answers is not run. On two cores a
-        gloo collective keeps its ranks busy (its TCP loop thread mostly in system calls), so a
-        TP 2 case fills the machine and runs alone; a 16-core runner checks a TP 4 case, its
-        TP 4 twin and its TP 1 twin at once."""
+        case of a size already taken on a second pool of that size (`LANES`). Returns the runs
+        that did not fit, for the caller to run next (the first run always fits). Results go to
+        the cache; a case the cache answers is not run. On two cores a gloo collective keeps its
+        ranks busy (its TCP loop thread mostly in system calls), so a TP 2 case fills the machine
+        and runs alone; a 16-core runner checks a TP 4 case, its TP 4 twin and its TP 1 twin at once."""
         taken: set[int] = set()
         jobs: list[tuple[Case, Any, bool]] = []
         later: list[tuple[Case, bool]] = []
@@ -183,7 +184,7 @@ class Runner:
             taken.add(id(pool))
             jobs.append((case, pool, meter_memory))
         if not jobs:
-            return
+            return later
         start = time.perf_counter()
         for case, pool, meter_memory in jobs:
             if isinstance(pool, WorkerPool):
@@ -197,8 +198,7 @@ class Runner:
             if isinstance(pool, WorkerPool):
                 self._store(case, pool, meter_memory, pool.collect())
         self.run_seconds += time.perf_counter() - start
-        for case, meter_memory in later:  # one at a time, each on its size's first pool
-            self.run(case, meter_memory=meter_memory)
+        return later
 
     def _cached(self, case: Case, meter_memory: bool) -> bool:
         if case in self._cache and not (meter_memory and case in self._unmetered):
@@ -261,31 +261,63 @@ class Runner:
         return list(self._cache.values())
 
     def check(self, case: Case, only: set[str] | None = None) -> tuple[Evidence, list[Finding]]:
-        """Run one case (and the twins its checks ask for); evaluate every applicable check."""
+        """Run one case (and the twins its checks ask for); evaluate every applicable check. The
+        float64 oracle is computed while the ranks run the case, and each check is evaluated as
+        soon as what it reads has run, while the ranks run the next twin: on two cores the
+        driver's work then fills the time the ranks spend waiting on each other."""
         case = self.fit(case)
-        # The float64 oracle is computed while the ranks run the case (it is cached for the checks).
         applied = {name for name, chk in self.checks.items()
                    if (not only or name in only) and chk.applicable(case, self.target)}
-        twins = {name: self.checks[name].twin(case) for name in applied if self.checks[name].twin is not None}
-        # The twins that may run in other processes run at the same time as the case.
-        alongside = [(twin, _reads_memory(self.checks[name])) for name, twin in twins.items()
-                     if twin is not None and not self.checks[name].twin_in_same_process]
-        self.run_together([(case, any(_reads_memory(self.checks[name]) for name in applied)), *alongside],
-                          while_waiting=lambda: oracle.expected(case))
+        twins = {name: (twin, _reads_memory(self.checks[name])) for name in applied
+                 if self.checks[name].twin is not None and (twin := self.checks[name].twin(case)) is not None}
+        # The twins that may run in other processes run at the same time as the case, where the cores allow.
+        alongside = [run for name, run in twins.items() if not self.checks[name].twin_in_same_process]
+        later = self.run_together([(case, any(_reads_memory(self.checks[name]) for name in applied)), *alongside],
+                                  while_waiting=lambda: oracle.expected(case))
         ev = Evidence(case, self.target, self._cache[case].ranks)  # fresh twins and margins for this evaluation
-        findings = []
+        later += [run for name, run in twins.items() if self.checks[name].twin_in_same_process
+                  and (not self.checks[name].needs or ev.completed(self.checks[name].needs))]
+        outcome: dict[str, Finding | None] = {}
+        failures: list[Exception] = []
+
+        def evaluate_ready() -> None:  # `meanwhile` would swallow an error of the harness's own: keep it
+            try:
+                self._evaluate(ev, applied, twins, outcome, only, run_twins=False)
+            except Exception as e:
+                failures.append(e)
+
+        for run in later:  # one at a time, each on its size's first pool
+            self.run_together([run], while_waiting=evaluate_ready)
+            if failures:
+                raise failures[0]
+        self._evaluate(ev, applied, twins, outcome, only, run_twins=True)
+        return ev, [outcome[name] for name in self.checks if outcome.get(name) is not None]
+
+    def _evaluate(self, ev: Evidence, applied: set[str], twins: dict[str, tuple[Case, bool]],
+                  outcome: dict[str, Finding | None], only: set[str] | None, run_twins: bool) -> None:
+        """Evaluate the checks not in `outcome` yet whose twins have run (all of them with
+        `run_twins`, running any twin still missing); each check's new finding, or None, goes to
+        `outcome`."""
+        case = ev.case
         for chk in self.checks.values():
+            if chk.name in outcome:
+                continue
             if chk.name not in applied:
                 if not only or chk.name in only:
                     self._note_not_applied(chk, case)
+                outcome[chk.name] = None
                 continue
+            if chk.name in twins:
+                twin_case, meter_memory = twins[chk.name]
+                if not run_twins and not self._cached(self.fit(twin_case), meter_memory):
+                    continue
+            outcome[chk.name] = None
             if chk.needs and not ev.completed(chk.needs):
                 continue
             if chk.twin is not None:
-                twin_case = twins[chk.name]
-                if twin_case is None:
+                if chk.name not in twins:
                     continue
-                twin = self.run(twin_case, meter_memory=_reads_memory(chk))
+                twin = self.run(twin_case, meter_memory=meter_memory)
                 if chk.needs and not twin.completed(chk.needs):
                     continue  # the twin's own crash is reported when it runs as a case
                 ev.twins[chk.name] = twin
@@ -309,10 +341,9 @@ class Runner:
                                   ranks=sorted({r.rank for r in ev.failed_ranks}))
                 if self.new_findings([finding]):
                     stats.failed += 1
-                    findings.append(finding)
+                    outcome[chk.name] = finding
                 else:
                     stats.known += 1
-        return ev, findings
 
     def explain(self, findings: list[Finding]) -> list[Finding]:
         """Lead each finding's message with what its check's `explain` adds (which loss term a wrong
