@@ -1,7 +1,7 @@
 """Cases per second of the engine, per TP size: small randomized kernel and wrapper cases (3:1),
 every registered check evaluated, twins included; pools started once, start-up timed separately.
 
-    python scripts/throughput.py [--cases 200] [--breakdown]
+    python scripts/throughput.py [--cases 200] [--breakdown] [--replay]
 
 `--breakdown` also splits a checked case's wall time into its stages, per TP size and level, by
 timing the engine's own functions from this script (nothing in the harness is changed for it):
@@ -12,6 +12,10 @@ the target's forward calls, its backwards, and the rest: building shards, meters
 re-runs) and the transport (sending, waiting, unpickling replies), the checks, and bookkeeping
 (what is left: fitting, caching, findings). It runs a case's jobs one at a time (as on one core),
 so that each round trip is one pool's; its cases/s are those of that setting.
+
+`--replay` then sends the same jobs again, back to back, with no oracle, no check and no
+bookkeeping between them, once as they were and once without the memory meter: the ceiling of any
+cut on the driver's side, and what the meter costs the ranks.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from hypothesis import strategies as st
 from cases.strategies import kernel_cases, linear_cases, wrapper_cases
 from harness.checks import oracle
 from harness.engine import executor, runner as runner_module
+from harness.engine.executor import CASE_JOB
 from harness.engine.pool import WorkerPool
 from harness.engine.runner import Runner
 from harness.observations import RankResult
@@ -165,6 +170,31 @@ def instrument(runner: Runner, stages: Stages) -> None:
     assert load_target(target.spec) is target  # the ranks resolve the same (wrapped) target
 
 
+_SUBMIT = WorkerPool.submit
+
+
+def record_jobs() -> list[tuple[WorkerPool, tuple]]:
+    """Every case job sent from now on, as (pool, the job's arguments)."""
+    jobs: list[tuple[WorkerPool, tuple]] = []
+    submit = _SUBMIT
+
+    def recorded(pool: WorkerPool, fn_path: str, args_per_rank: list[tuple], deadline_s: float) -> None:
+        if fn_path == runner_module.CASE_JOB:
+            jobs.append((pool, args_per_rank[0]))
+        submit(pool, fn_path, args_per_rank, deadline_s)
+    WorkerPool.submit = recorded  # type: ignore[method-assign]
+    return jobs
+
+
+def replayed(jobs: list[tuple[WorkerPool, tuple]], meter: bool) -> float:
+    """Runs per second of the recorded jobs sent again one after the other (`meter` False: each
+    without the memory meter)."""
+    start = time.perf_counter()
+    for pool, (case, spec, meter_memory) in jobs:
+        pool.call(CASE_JOB, [(case, spec, meter_memory and meter)] * pool.world, 120)
+    return len(jobs) / (time.perf_counter() - start)
+
+
 def breakdown_table(stages: Stages, tp: int, totals: dict[str, tuple[int, float, float]]) -> list[str]:
     rows = []
     for level, (n, wall, drawing) in totals.items():
@@ -187,14 +217,19 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--cases", type=int, default=200)
     p.add_argument("--breakdown", action="store_true", help="split a case's time into its stages (per TP, level)")
+    p.add_argument("--replay", action="store_true",
+                   help="send the same jobs again back to back, with and without the memory meter")
     p.add_argument("--tp", default="1,2,4")
     ns = p.parse_args()
+    if ns.replay and ns.breakdown:
+        p.error("--replay times the engine's own jobs: run it without --breakdown")
     runner = Runner("harness.targets.fused")
     stages = Stages()
     if ns.breakdown:
         instrument(runner, stages)
-    print("| TP | pool start-up (s) | bare all_reduce (ms) | distributed cases run | cases/s |")
-    print("|---|---|---|---|---|")
+    replay = " replayed back to back (runs/s) | without the meter (runs/s) |" if ns.replay else ""
+    print("| TP | pool start-up (s) | bare all_reduce (ms) | distributed cases run | cases/s |" + replay)
+    print("|---|---|---|---|---|" + ("---|---|" if ns.replay else ""))
     tables: list[str] = []
     for tp in (int(t) for t in ns.tp.split(",")):
         stages.level = "start-up"  # the pool's start and the latency job: in no level's stages
@@ -207,6 +242,7 @@ def main() -> None:
         if ns.breakdown:
             levels["linear"] = (linear_cases, ns.cases // 4)
         ran, took, totals = 0, 0.0, {}
+        jobs = record_jobs() if ns.replay else []
         for level, (strategy, n) in levels.items():
             runs_before = runner.cases_run
             start = time.perf_counter()
@@ -221,7 +257,11 @@ def main() -> None:
             if level != "linear":  # the headline figure is the kernel and wrapper mix, as before
                 took += wall
                 ran += runner.cases_run - runs_before
-        print(f"| {tp} | {startup:.2f} | {latency:.2f} | {ran} | {ran / took:.1f} |", flush=True)
+        row = f"| {tp} | {startup:.2f} | {latency:.2f} | {ran} | {ran / took:.1f} |"
+        if ns.replay:
+            WorkerPool.submit = _SUBMIT  # type: ignore[method-assign]
+            row += f" {replayed(jobs, True):.1f} | {replayed(jobs, False):.1f} |"
+        print(row, flush=True)
         if ns.breakdown:
             tables += breakdown_table(stages, tp, totals)
             stages.by_level.clear()
