@@ -176,12 +176,11 @@ _SUBMIT = WorkerPool.submit
 def record_jobs() -> list[tuple[WorkerPool, tuple]]:
     """Every case job sent from now on, as (pool, the job's arguments)."""
     jobs: list[tuple[WorkerPool, tuple]] = []
-    submit = _SUBMIT
 
     def recorded(pool: WorkerPool, fn_path: str, args_per_rank: list[tuple], deadline_s: float) -> None:
         if fn_path == runner_module.CASE_JOB:
             jobs.append((pool, args_per_rank[0]))
-        submit(pool, fn_path, args_per_rank, deadline_s)
+        _SUBMIT(pool, fn_path, args_per_rank, deadline_s)
     WorkerPool.submit = recorded  # type: ignore[method-assign]
     return jobs
 

@@ -3,6 +3,8 @@
 keeps between calls run after the case, on its own pool."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cases.case import parse_case
@@ -85,8 +87,6 @@ def test_checks_are_evaluated_while_the_next_twin_runs(harness_pools, jobs, monk
     """One job at a time (two cores at TP 2): the checks that need no twin are evaluated while the
     ranks run the first twin, each twin's check while the next twin runs; the findings come back
     in the registry's order whatever order they were evaluated in."""
-    import dataclasses
-
     monkeypatch.setattr(runner_module, "CORES", 1)
     runner = Runner("harness.targets.fused", pools=harness_pools)
 

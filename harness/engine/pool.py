@@ -472,6 +472,8 @@ def _park_idle_pools() -> None:
             for pool in pools:
                 if pool.idle_since is not None and now - pool.idle_since >= IDLE_PARK_S and pool.procs:
                     pool.park()
+
+
 _DRIVER_THREADS: int | None = None  # the driver's intra-op threads before its first CPU pool started
 
 
