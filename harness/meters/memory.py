@@ -30,7 +30,6 @@ import contextlib
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Iterator
 
 import torch
@@ -64,15 +63,22 @@ def unit(T: int, v_local: int) -> int:
 @dataclass(slots=True)
 class Storage:
     nbytes: int
-    shape: tuple[int, ...]  # of the first tensor seen in it
-    dtype: str
+    shape: torch.Size  # of the first tensor seen in it
+    dtype: torch.dtype  # named only when described: most storages never are
     op: str  # the op that allocated it ("saved" when only the saved-tensor hook saw it)
     saved: bool = False  # saved for backward through autograd
     output: bool = False  # backs a returned tensor
 
     def describe(self) -> dict[str, Any]:
         how = "saved" if self.saved else "output" if self.output else "alive"
-        return {"shape": list(self.shape), "dtype": self.dtype, "bytes": self.nbytes, "how": how, "op": self.op}
+        return {"shape": list(self.shape), "dtype": str(self.dtype).removeprefix("torch."), "bytes": self.nbytes,
+                "how": how, "op": self.op}
+
+
+class _StorageRef(weakref.ref):
+    """A weak reference to a storage that knows its key, so that its death can be queued by a bare
+    `deque.append` (no Python frame per free)."""
+    __slots__ = ("key",)
 
 
 def _key(t: torch.Tensor) -> int | None:
@@ -114,23 +120,26 @@ def _arg_keys(args: tuple, kwargs: dict) -> set[int | None]:
 # reshape, to, which can reach the mode undecomposed) can return an input's storage or a new one;
 # a collective gets aliases of its tensors (see `_alias`); any other op's outputs are new
 # storages. Cached by the op's id (ops are process-lifetime singletons; hashing one calls
-# Python), with the name findings give it.
+# Python), with the name findings give it and what to call: a plain op's C++ callable, which
+# `OpOverload.__call__` would only forward to (a Python frame per op), a collective as it is
+# (`TorchBindOpOverload.__call__` has work of its own).
 _VIEW, _ALIASING, _COLLECTIVE, _FUNCTIONAL = "view", "aliasing", "collective", "functional"
-_KINDS: dict[int, tuple[str, str]] = {}
+_KINDS: dict[int, tuple[str, str, Any]] = {}
 _NONE: frozenset = frozenset()
 
 
-def _kind(func: Any) -> tuple[str, str]:
+def _kind(func: Any) -> tuple[str, str, Any]:
     name = func.overloadpacket.__name__
+    call = func._op if type(func) is torch._ops.OpOverload else func
     if func.namespace == "c10d":
-        return _COLLECTIVE, name
+        return _COLLECTIVE, name, func
     if getattr(func, "is_view", False) and not torch._C._dispatch_has_kernel_for_dispatch_key(
             func.name(), "CompositeImplicitAutograd"):
-        return _VIEW, name
+        return _VIEW, name, call
     schema = getattr(func, "_schema", None)
     if schema is None or any(r.alias_info is not None for r in schema.returns):
-        return _ALIASING, name
-    return _FUNCTIONAL, name
+        return _ALIASING, name, call
+    return _FUNCTIONAL, name, call
 
 
 def _top(entries: Any) -> list[dict[str, Any]]:
@@ -168,7 +177,7 @@ class Meter(TorchDispatchMode):
         self.active = active
         self._inputs = {k for k in map(_key, _tensors(inputs)) if k is not None}
         self._live: dict[int, Storage] = {}
-        self._refs: dict[int, weakref.ref] = {}
+        self._refs: dict[int, _StorageRef] = {}
         self._current = 0
         self._peak = 0
         self._peak_live: list[Storage] = []
@@ -176,32 +185,31 @@ class Meter(TorchDispatchMode):
         self._outputs: set[int] = set()
         self._left: dict[int, Storage] = {}  # retained, still alive after backward, not an output
         self._aliases: dict[int, list[weakref.ref]] = {}  # storage -> aliases handed to collectives
-        self._dead: deque[tuple[int, weakref.ref]] = deque()  # freed, not yet accounted
+        self._dead: deque[_StorageRef] = deque()  # freed, not yet accounted
         self._cuda = device if device.type == "cuda" else None
         self._cuda_base = 0
         self.figures: dict[str, Any] = {}
 
     # ---------------------------------------------------------------- accounting
-    def _freed(self, key: int, ref: weakref.ref) -> None:
-        # May run on a backend thread (the last user was a collective's work): only queue it.
-        self._dead.append((key, ref))
-
     def _drain(self) -> None:
-        """Account the frees queued so far, on this thread. The ref, not the key, identifies the
+        """Account the frees queued so far, on this thread (a free may be queued on a backend
+        thread, when the last user was a collective's work). The ref, not the key, identifies the
         storage: a freed storage's key can come back with a new one."""
         while self._dead:
-            key, ref = self._dead.popleft()
-            if self._refs.get(key) is ref:
-                del self._refs[key]
-                self._current -= self._live.pop(key).nbytes
+            ref = self._dead.popleft()
+            if self._refs.get(ref.key) is ref:
+                del self._refs[ref.key]
+                self._current -= self._live.pop(ref.key).nbytes
 
-    def _add(self, key: int, t: torch.Tensor, op: str) -> Storage:
-        st = t.untyped_storage()
-        entry = Storage(st.nbytes(), tuple(t.shape), str(t.dtype).removeprefix("torch."), op)
-        self._live[key] = entry
-        self._refs[key] = weakref.ref(st, partial(self._freed, key))
+    def _add(self, key: int, st: torch.UntypedStorage, t: torch.Tensor, op: str) -> Storage:
+        """Count a new storage `st` (key `key`), first seen behind `t`."""
+        entry = self._live[key] = Storage(st.nbytes(), t.shape, t.dtype, op)
+        ref = self._refs[key] = _StorageRef(st, self._dead.append)
+        ref.key = key
         self._current += entry.nbytes
-        self._note_peak()
+        if self._current > self._peak:
+            self._peak = self._current
+            self._peak_live = list(self._live.values())
         return entry
 
     def _note_peak(self) -> None:
@@ -236,24 +244,30 @@ class Meter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        kind, name = _KINDS.get(id(func)) or _KINDS.setdefault(id(func), _kind(func))
-        if kind is _VIEW:  # allocates nothing; frees are accounted before the next allocation
-            return func(*args, **kwargs)
-        if self._aliases or self._dead:
-            self._settle()
+        kind, name, call = _KINDS.get(id(func)) or _KINDS.setdefault(id(func), _kind(func))
+        if kind is _VIEW:  # allocates nothing
+            return call(*args, **kwargs)
         if kind is _COLLECTIVE:
             args, kwargs = self._alias(args), {k: self._alias(v) for k, v in kwargs.items()}
-        out = func(*args, **kwargs)
-        if self._dead:
-            self._drain()  # what the op freed, before what it allocated
+        out = call(*args, **kwargs)
+        # What was freed since the last op, and by this one, before what it allocated: the peak
+        # only moves at an allocation, so frees need no accounting sooner.
+        if self._aliases:
+            self._settle()
+        elif self._dead:
+            self._drain()
         seen = _NONE if kind is _FUNCTIONAL else None
         for t in (out,) if isinstance(out, torch.Tensor) else _tensors(out):
-            key = _key(t)
-            if key is None or key in self._inputs:
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError, TypeError):  # no storage (sparse, fake, ...)
+                continue
+            key = st._cdata
+            if key in self._inputs:
                 continue
             entry = self._live.get(key)
             if entry is not None:  # written through an alias or out=; it may have been resized
-                grown = t.untyped_storage().nbytes() - entry.nbytes
+                grown = st.nbytes() - entry.nbytes
                 if grown:
                     entry.nbytes += grown
                     self._current += grown
@@ -262,14 +276,14 @@ class Meter(TorchDispatchMode):
             if seen is None:
                 seen = _arg_keys(args, kwargs)
             if key not in seen:
-                self._add(key, t, name)
+                self._add(key, st, t, name)
         return out
 
     def _pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
         self._drain()
         key = _key(t)
         if key is not None and key not in self._inputs:
-            entry = self._live.get(key) or self._add(key, t, "saved")
+            entry = self._live.get(key) or self._add(key, t.untyped_storage(), t, "saved")
             entry.saved = True
         # A detached alias shares storage and version counter but not grad_fn: returning `t` itself
         # would make a saved output a reference cycle, and keep it alive after backward.
