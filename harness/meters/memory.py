@@ -207,9 +207,7 @@ class Meter(TorchDispatchMode):
         ref = self._refs[key] = _StorageRef(st, self._dead.append)
         ref.key = key
         self._current += entry.nbytes
-        if self._current > self._peak:
-            self._peak = self._current
-            self._peak_live = list(self._live.values())
+        self._note_peak()
         return entry
 
     def _note_peak(self) -> None:
