@@ -13,6 +13,9 @@ re-runs) and the transport (sending, waiting, unpickling replies), the checks, a
 (what is left: fitting, caching, findings). It runs a case's jobs one at a time (as on one core),
 so that each round trip is one pool's; its cases/s are those of that setting.
 
+It first prints the machine's speed (one small aten op, a pure-Python loop): figures from other
+days or machines compare through it, not as they stand.
+
 `--replay` then sends the same jobs again, back to back, with no oracle, no check and no
 bookkeeping between them, once as they were and once without the memory meter: the ceiling of any
 cut on the driver's side, and what the meter costs the ranks.
@@ -111,6 +114,30 @@ def timed_case_job(ctx: Any, case: Any, target_spec: str, meter_memory: bool = T
         return executor.case_job(ctx, case, target_spec, meter_memory)
     finally:
         _RANK_SECONDS[3 * ctx.rank] = time.perf_counter() - start
+
+
+def machine_speed() -> str:
+    """This machine's speed, to compare figures across machines and days (a VM's speed drifts by
+    20-30% within hours, and by more between days): one small aten op, and a pure-Python loop,
+    best of five, in this process."""
+    x = torch.ones(8, 16)
+
+    def ops() -> None:
+        for _ in range(20_000):
+            x.add(1.0)
+
+    def best(fn: Callable[[], Any], n: int) -> float:
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) / n)
+        return min(times)
+
+    op = best(ops, 20_000)
+    loop = best(lambda: sum(range(1_000_000)), 1)
+    return (f"Machine: one small aten op (add on a float32 [8, 16]) {op * 1e6:.2f} us, a sum over "
+            f"range(10**6) {loop * 1e3:.1f} ms (best of five); {runner_module.CORES} cores.")
 
 
 def all_reduce_seconds(ctx: Any, n: int) -> float:
@@ -227,6 +254,7 @@ def main() -> None:
     if ns.breakdown:
         instrument(runner, stages)
     replay = " replayed back to back (runs/s) | without the meter (runs/s) |" if ns.replay else ""
+    print(machine_speed() + "\n")
     print("| TP | pool start-up (s) | bare all_reduce (ms) | distributed cases run | cases/s |" + replay)
     print("|---|---|---|---|---|" + ("---|---|" if ns.replay else ""))
     tables: list[str] = []
