@@ -116,3 +116,16 @@ def test_findings_keep_the_registry_order(harness_pools, monkeypatch):
     # values is evaluated while the first twin runs, tp-invariance once its twin has run
     assert {"values", "tp-invariance"} <= {f.check for f in findings}
     assert [f.check for f in findings] == sorted((f.check for f in findings), key=order.index)
+
+
+def test_a_case_that_hangs_runs_no_twin_after_it(harness_pools, jobs, monkeypatch):
+    """A twin is compared with its case's outputs: when the case hung, the twins still to run would
+    only hang too (each costing a stack probe and a rebuilt pool), so none is sent."""
+    monkeypatch.setattr(runner_module, "CORES", 1)
+    runner = Runner("mutant:extra-allreduce-rank0-metric-only", pools=harness_pools)
+    case = parse_case("kernel:tp=2,T=4,v_local=5,chunk_size=2,with_entropy=1,with_entropy_grad=0,seed=38")
+    _, findings = runner.check(case)
+    assert "hang" in {f.check for f in findings}
+    assert [kind for kind, _ in jobs] == ["submit", "collect"]
+    assert not runner.has_run(runner.fit(case.replace(chunk_size=-1)))  # chunk-invariance's twin
+    assert not runner.has_run(runner.fit(case.replace(tp=1)))  # tp-invariance's

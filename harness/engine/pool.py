@@ -282,7 +282,9 @@ class WorkerPool:
         has raised, the others get RAISED_GRACE_S more: a rank left waiting in a collective its
         peer never issued would otherwise hold the case until the collective timeout."""
         replies: dict[int, Any] = {}
-        started = time.monotonic()
+        # The job has run since it was sent, not since it is collected: a job collected after another
+        # (a case's twin beside it) has already had its time when the first is found stuck.
+        started = self._submitted if watch and self._submitted else time.monotonic()
         median = self.median_job_s or 0.0
         code = stacks.StackWatch(self.store_dir or "", [p.pid for p in self.procs],
                                  max(stacks.PROBE_FLOOR_S, stacks.PROBE_COST_FACTOR * median)) if watch else None
@@ -378,7 +380,7 @@ class WorkerPool:
         """Every rank's reply to the job `submit` sent (or why it gave none)."""
         replies = self._gather(self._deadline)
         if any(isinstance(r, RankResult) and r.error_kind in (*HANG_KINDS, "died") for r in replies):
-            self.restart()
+            self.restart(grace_s=0.0)  # a stuck rank would not read the request to exit
         else:
             self.job_seconds.append(time.monotonic() - self._submitted)
             self._idle()
@@ -418,12 +420,13 @@ class WorkerPool:
         deadline = deadline_s if deadline_s is not None else self.case_deadline()
         return self.call(fn_path, [args] * self.world, deadline, while_waiting)
 
-    def restart(self) -> None:
-        self.close()
+    def restart(self, grace_s: float = 2.0) -> None:
+        self.close(grace_s)
         self.restarts += 1
         self.start()
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 2.0) -> None:
+        """Ask every rank to exit, wait up to `grace_s` for them to, then kill the rest."""
         with _PARKING:
             self.idle_since = None
             self.wake()
@@ -432,7 +435,7 @@ class WorkerPool:
                 conn.send(None)
             except (BrokenPipeError, OSError):
                 pass
-        deadline = time.monotonic() + 2.0
+        deadline = time.monotonic() + grace_s
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
         for p in self.procs:

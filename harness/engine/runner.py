@@ -275,8 +275,11 @@ class Runner:
         later = self.run_together([(case, any(_reads_memory(self.checks[name]) for name in applied)), *alongside],
                                   while_waiting=lambda: oracle.expected(case))
         ev = Evidence(case, self.target, self._cache[case].ranks)  # fresh twins and margins for this evaluation
-        later += [run for name, run in twins.items() if self.checks[name].twin_in_same_process
-                  and (not self.checks[name].needs or ev.completed(self.checks[name].needs))]
+        # A twin still to run is run only for a check that can be evaluated: one whose stage the case
+        # completed (a case that hung, died or raised leaves its twins nothing to be compared with).
+        wanted = [name for name in twins if not self.checks[name].needs or ev.completed(self.checks[name].needs)]
+        later = [run for run in later if any(run == (self.fit(twins[name][0]), twins[name][1]) for name in wanted)]
+        later += [twins[name] for name in wanted if self.checks[name].twin_in_same_process]
         outcome: dict[str, Finding | None] = {}
         failures: list[Exception] = []
 
