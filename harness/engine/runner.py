@@ -278,7 +278,8 @@ class Runner:
         # A twin still to run is run only for a check that can be evaluated: one whose stage the case
         # completed (a case that hung, died or raised leaves its twins nothing to be compared with).
         wanted = [name for name in twins if not self.checks[name].needs or ev.completed(self.checks[name].needs)]
-        later = [run for run in later if any(run == (self.fit(twins[name][0]), twins[name][1]) for name in wanted)]
+        keep = {(self.fit(twins[name][0]), twins[name][1]) for name in wanted}
+        later = [run for run in later if run in keep]
         later += [twins[name] for name in wanted if self.checks[name].twin_in_same_process]
         outcome: dict[str, Finding | None] = {}
         failures: list[Exception] = []
