@@ -107,6 +107,15 @@ CORPUS: tuple[Regression, ...] = (
                                                  response_lengths=(0, 1, 2, 8), entropy_coef=0.01, cp=4, seed=4)),
     Regression("cp-no-grad-chunked", "CP: old-policy log-probs under no_grad, chunked, all-gather CP, top-p",
                "inference-path", _w(top_p="partial", chunk_size=2, context="no_grad", cp=2, cp_layout="allgather")),
+    Regression("cp-memory-per-rank", "CP: a rank's memory is that of its own rows (T_local x V_local), not the "
+               "whole sequence's: a rank that gathers the logits over the CP group and computes every rank's "
+               "rows spends CP times its budget", "memory-budget",
+               _w(v_local=128, total_lengths=(40, 24), response_lengths=(20, 12), entropy_coef=0.01, cp=2,
+                  cp_layout="allgather")),
+    Regression("cp-wrapper-chunk-size", "NeMo-RL #2871/#2872 at CP: the chunk size reaches the kernel on a CP "
+               "rank's rows, before the all-gather CP redistribution", "chunk-size-honoured",
+               _w(total_lengths=(7, 5), response_lengths=(5, 3), chunk_size=2, entropy_coef=0.01, cp=2,
+                  cp_layout="allgather")),
     # The fused-linear level (docs/fused-linear.md).
     Regression("linear-column-parallel-grad", "fused linear: the hidden states' gradient is a sum over every "
                "vocab shard, all-reduced so each rank holds all of it (Megatron's column-parallel backward)",

@@ -19,6 +19,11 @@ days or machines compare through it, not as they stand.
 `--replay` then sends the same jobs again, back to back, with no oracle, no check and no
 bookkeeping between them, once as they were and once without the memory meter: the ceiling of any
 cut on the driver's side, and what the meter costs the ranks.
+
+`--threads` splits the CPU time of the checked cases (user + system, from /proc, Linux only) by
+thread: the driver's main thread and its others, the ranks' main threads (the routine, the memory
+meter, the job), gloo's TCP device loops (one per process group and rank: sockets, and a wakeup
+every 10 ms) and its collective worker threads: who uses the cores.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import argparse
 import dataclasses
 import functools
 import multiprocessing
+import os
 import time
 from collections import defaultdict
 from typing import Any, Callable
@@ -44,6 +50,14 @@ from harness.observations import RankResult
 from harness.targets import load_target
 
 MAX_WORLD = 8
+THREAD_COLUMNS = {
+    "driver, main thread": {("driver", "main")},
+    "driver, other threads": {("driver", "other"), ("driver", "gloo_tcp_loop"), ("driver", "pt_gloo_runloop")},
+    "ranks, main threads": {("ranks", "main")},
+    "ranks, gloo TCP loops": {("ranks", "gloo_tcp_loop")},
+    "ranks, gloo collective threads": {("ranks", "pt_gloo_runloop")},
+    "ranks, other threads": {("ranks", "other")},
+}
 # Per world rank: [job, forward calls, backwards] seconds of the last job (written by the ranks,
 # forked from this process after it is created, read by the driver after each round trip).
 _RANK_SECONDS = multiprocessing.RawArray("d", 3 * MAX_WORLD)
@@ -221,6 +235,31 @@ def replayed(jobs: list[tuple[WorkerPool, tuple]], meter: bool) -> float:
     return len(jobs) / (time.perf_counter() - start)
 
 
+def _processes(runner: Runner) -> list[int]:
+    """This process, then every worker of the runner's pools."""
+    return [os.getpid(), *(p.pid for pool in runner.pools.values() for p in pool.procs)]
+
+
+def thread_cpu(pids: list[int]) -> dict[tuple[str, str], float]:
+    """CPU seconds (user + system) so far of every thread of `pids` (the driver first), by (process
+    role, thread kind)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[tuple[str, str], float] = defaultdict(float)
+    for i, pid in enumerate(pids):
+        role = "driver" if i == 0 else "ranks"
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    stat = f.read()
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+            name = stat[stat.index("(") + 1:stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2:].split()
+            kind = "main" if tid == str(pid) else name if name.startswith(("gloo", "pt_gloo")) else "other"
+            out[(role, kind)] += (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def breakdown_table(stages: Stages, tp: int, totals: dict[str, tuple[int, float, float]]) -> list[str]:
     rows = []
     for level, (n, wall, drawing) in totals.items():
@@ -245,6 +284,7 @@ def main() -> None:
     p.add_argument("--breakdown", action="store_true", help="split a case's time into its stages (per TP, level)")
     p.add_argument("--replay", action="store_true",
                    help="send the same jobs again back to back, with and without the memory meter")
+    p.add_argument("--threads", action="store_true", help="split the checked cases' CPU time by thread")
     p.add_argument("--tp", default="1,2,4")
     ns = p.parse_args()
     if ns.replay and ns.breakdown:
@@ -258,6 +298,7 @@ def main() -> None:
     print("| TP | pool start-up (s) | bare all_reduce (ms) | distributed cases run | cases/s |" + replay)
     print("|---|---|---|---|---|" + ("---|---|" if ns.replay else ""))
     tables: list[str] = []
+    cpu_tables: list[str] = []
     for tp in (int(t) for t in ns.tp.split(",")):
         stages.level = "start-up"  # the pool's start and the latency job: in no level's stages
         start = time.perf_counter()
@@ -270,6 +311,7 @@ def main() -> None:
             levels["linear"] = (linear_cases, ns.cases // 4)
         ran, took, totals = 0, 0.0, {}
         jobs = record_jobs() if ns.replay else []
+        cpu_before = thread_cpu(_processes(runner)) if ns.threads else {}
         for level, (strategy, n) in levels.items():
             runs_before = runner.cases_run
             start = time.perf_counter()
@@ -289,9 +331,20 @@ def main() -> None:
             WorkerPool.submit = _SUBMIT  # type: ignore[method-assign]
             row += f" {replayed(jobs, True):.1f} | {replayed(jobs, False):.1f} |"
         print(row, flush=True)
+        if ns.threads:
+            # Pools started meanwhile (a twin's TP size) count from their start.
+            used = {k: v - cpu_before.get(k, 0.0) for k, v in thread_cpu(_processes(runner)).items()}
+            total, wall = sum(used.values()), sum(t[1] for t in totals.values())
+            shares = (100 * sum(v for k, v in used.items() if k in keys) / total for keys in THREAD_COLUMNS.values())
+            cpu_tables.append(f"| {tp} | {wall:.2f} | {total:.2f} | " + " | ".join(f"{x:.0f}%" for x in shares) + " |")
         if ns.breakdown:
             tables += breakdown_table(stages, tp, totals)
             stages.by_level.clear()
+    if ns.threads:
+        print("\nCPU of the checked cases (all levels), by thread:\n")
+        print("| TP | wall (s) | CPU (s) | " + " | ".join(THREAD_COLUMNS) + " |")
+        print("|---|---|---|" + "---|" * len(THREAD_COLUMNS))
+        print("\n".join(cpu_tables))
     if ns.breakdown:
         print("\nMilliseconds per checked case (a case and the twins its checks ask for):\n")
         print("| TP | level | cases | round trips per case | traced collectives per case | drawing | oracle | "

@@ -117,3 +117,18 @@ def slow_import(ctx, folder: str) -> int:
     import harness_slow_module  # noqa: F401
 
     return ctx.rank
+
+
+def traced_gathers(ctx) -> list:
+    """The trace of torch 2.13's `*_single` collectives and of the deprecated names that call them."""
+    import warnings
+
+    from harness.meters import trace
+
+    x = torch.full((2,), float(ctx.rank))
+    with trace.recording() as events, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        dist.all_gather_single(torch.empty(4), x)
+        dist.all_gather_into_tensor(torch.empty(4), x)
+        dist.reduce_scatter_single(torch.empty(1), x)
+    return [(op, size, list(shape)) for op, size, shape, _ in events]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cases.case import WrapperCase, parse_case
+from cases.corpus import CORPUS
 from harness.engine.runner import Runner
 
 pytestmark = pytest.mark.distributed
@@ -70,17 +71,36 @@ def test_controls_pass_at_cp_2_and_4(harness_pools, name):
                 assert not findings, [f.message[:300] for f in findings]
 
 
-def test_memory_and_kernel_pass_checks_say_why_not_applied_at_cp(harness_pools):
-    runner = Runner("harness.targets.fused", pools=harness_pools)
-    case = WrapperCase(tp=1, v_local=8, total_lengths=(6,), response_lengths=(3,), chunk_size=2, cp=2, seed=3)
-    runner.check(case)
-    notes = {name: s.not_applied for (name, level), s in runner.stats.items()}
-    assert any("CP > 1" in n for n in notes["memory-budget"])
-    assert any("CP > 1" in n for n in notes["chunk-size-honoured"])
+def test_memory_checks_hold_each_cp_rank_to_its_own_rows(harness_pools):
+    # The unit is a rank's own rows (T_local x V_local): a rank that computes every CP rank's rows
+    # exceeds the built-in's budget, which the clean routine keeps on every CP rank.
+    case = next(e.case for e in CORPUS if e.name == "cp-memory-per-rank")
+    clean = Runner("harness.targets.fused", pools=harness_pools)
+    assert not clean.check(case)[1]
+    assert clean.stats[("memory-budget", "wrapper")].applied == 1
+    assert clean.stats[("memory-backward-frees", "wrapper")].applied == 1
+    _, findings = Runner("mutant:cp-gathered-logits", pools=harness_pools).check(case)
+    assert [f.check for f in findings] == ["memory-budget"], [f.message[:300] for f in findings]
+    assert findings[0].message.startswith("rank 0 (cp 0, tp 0): retained "), findings[0].message[:300]
+    assert "x T_local*V_local*4 (T_local = 32 rows of CP 2)" in findings[0].message
+
+
+def test_chunk_size_is_checked_on_each_cp_rank_and_the_memory_comparison_says_why_not(harness_pools):
+    # NeMo-RL #2871 at all-gather CP: the wrapper's collectives, its redistribution left out, are the
+    # unchunked kernel's on that rank's rows.
+    case = next(e.case for e in CORPUS if e.name == "cp-wrapper-chunk-size")
+    clean = Runner("harness.targets.fused", pools=harness_pools)
+    assert not clean.check(case)[1]
+    assert clean.stats[("chunk-size-honoured", "wrapper")].applied == 1
+    notes = clean.stats[("memory-chunk-passthrough", "wrapper")].not_applied
+    assert any("CP > 1" in n for n in notes), notes
+    _, findings = Runner("mutant:chunk-size-ignored", pools=harness_pools).check(case)
+    assert [f.check for f in findings] == ["chunk-size-honoured"], [f.message[:300] for f in findings]
+    assert "rank 0 (cp 1, tp 0): the wrapper issued the unchunked kernel's" in findings[0].message
 
 
 CP_MUTANTS = ("cp-absent-piece-requires-grad", "zigzag-offset-off-by-one", "cp-reduce-over-tp-group",
-              "cp-reduce-over-world", "top-p-mask-wrong-cp-layout", "world-rank-as-tp-rank")
+              "cp-reduce-over-world", "top-p-mask-wrong-cp-layout", "world-rank-as-tp-rank", "cp-gathered-logits")
 
 
 @pytest.mark.slow

@@ -110,11 +110,9 @@ TARGET_LIMITS: dict[str, tuple[tuple[str, Callable[[Case], bool], str], ...]] = 
 # What a check may read that a case's shape does not give it: (which cases, why). A check that would
 # apply but reads one of these says "not applied: why" instead.
 CASE_LIMITS: dict[str, tuple[Callable[[Case], bool], str]] = {
-    "memory": (lambda c: getattr(c, "cp", 1) > 1,
-               "CP > 1: a rank holds its CP layout's rows (padding included) and the all-gather redistribution's "
-               "buffers, not the T rows that the memory units, the O(T) slack and the budgets are sized by"),
-    "kernel-pass": (lambda c: getattr(c, "cp", 1) > 1,
-                    "CP > 1: the kernel comparison runs the whole sequence's rows, not a CP rank's"),
+    "kernel-pass-memory": (lambda c: getattr(c, "cp", 1) > 1,
+                           "CP > 1: a rank's wrapper memory is not its kernel's plus O(T) (no kernel backward "
+                           "on a rank without response rows; the redistribution's own buffers)"),
 }
 FAMILIES = ("default", "bitwise")  # bitwise: opt-in (`--bitwise`)
 CALL_LEVELS = ("kernel", "wrapper", "linear")  # checks of any call: it runs, returns, issues matched collectives

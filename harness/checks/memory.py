@@ -16,6 +16,21 @@ from typing import Any
 from cases.case import DTYPES, NONCONTIGUOUS, LinearCase, WrapperCase
 from harness.checks import Evidence, check
 from harness.meters import memory
+from reference.cp import local_rows
+
+
+@functools.lru_cache(maxsize=1024)
+def rows(c: Any) -> int:
+    """The logits rows each rank holds, which the memory unit T*V_local*4 counts: T, and at CP > 1
+    its CP layout's rows, padding included (the same number on every CP rank). The O(T) slack stays
+    sized by the whole sequence's T: the all-gather redistribution sums a whole-response vector."""
+    if getattr(c, "cp", 1) == 1:
+        return c.T
+    return len(local_rows(list(c.total_lengths), c.cp, c.cp_layout, 0))
+
+
+def _unit_name(c: Any) -> str:
+    return "T*V_local*4" if getattr(c, "cp", 1) == 1 else f"T_local*V_local*4 (T_local = {rows(c)} rows of CP {c.cp})"
 
 
 def _mem(ev: Evidence, rank: int) -> dict[str, Any]:
@@ -54,8 +69,8 @@ def _compare_retained(ev: Evidence, twin: Evidence, what: str) -> list[str]:
             continue
         excess = a["retained"] - b["retained"]
         if excess > allowed:
-            problems.append(f"rank {r}: retained {_fmt(a['retained'])} after forward, {_fmt(excess)} more than "
-                            f"{what} ({_fmt(b['retained'])}); allowed {_fmt(allowed)} more. Excess: "
+            problems.append(f"{ev.ranks[r].name}: retained {_fmt(a['retained'])} after forward, {_fmt(excess)} "
+                            f"more than {what} ({_fmt(b['retained'])}); allowed {_fmt(allowed)} more. Excess: "
                             f"{_excess(a.get('retained_tensors', []), b.get('retained_tensors', []))}")
     return problems
 
@@ -82,7 +97,7 @@ def coef_zero(ev: Evidence) -> list[str]:
 
 @check("memory-chunk-passthrough", levels=("wrapper",),
        applies=lambda c, t: c.kernel_comparable and c.temperature in (None, 1.0) and t.kernel is not None,
-       reads=("autograd", "call-memory", "memory"))
+       reads=("autograd", "call-memory", "memory", "kernel-pass-memory"))
 def chunk_passthrough(ev: Evidence) -> list[str]:
     """NeMo-RL #2871: args.log_probs_chunk_size reaches the kernel. The wrapper's retained and peak
     bytes match the target kernel's own at that chunk size on the same rows (temperature 1, no
@@ -105,7 +120,7 @@ def chunk_passthrough(ev: Evidence) -> list[str]:
                 like = " — the unchunked kernel's figure: log_probs_chunk_size ignored" \
                     if whole.get(m) is not None and abs(got[m] - whole[m]) <= allowed else ""
                 problems.append(
-                    f"rank {r}: wrapper {m} {_fmt(got[m])}, its kernel at chunk_size={c.chunk_size} "
+                    f"{ev.ranks[r].name}: wrapper {m} {_fmt(got[m])}, its kernel at chunk_size={c.chunk_size} "
                     f"{_fmt(chunked[m])}, unchunked {_fmt(whole.get(m) or 0)}; allowed {_fmt(allowed)} less, "
                     f"{_fmt(allowed + allowance(c, m))} more (O(T) + the wrapper's allowance){like}. "
                     f"Excess: {_excess(got.get(f'{m}_tensors', []), chunked.get(f'{m}_tensors', []))}")
@@ -130,8 +145,9 @@ def backward_frees(ev: Evidence) -> list[str]:
     for r in range(len(ev.ranks)):
         m = _mem(ev, r)
         if m.get("leftover") is not None and m["leftover"] > allowed:
-            problems.append(f"rank {r}: {_fmt(m['leftover'])} of the {_fmt(m['retained'])} retained by the forward "
-                            f"still alive after backward; allowed {_fmt(allowed)}. Alive: {_list(m['leftover_tensors'])}")
+            problems.append(f"{ev.ranks[r].name}: {_fmt(m['leftover'])} of the {_fmt(m['retained'])} retained by "
+                            f"the forward still alive after backward; allowed {_fmt(allowed)}. "
+                            f"Alive: {_list(m['leftover_tensors'])}")
     return problems
 
 
@@ -170,7 +186,7 @@ def allowance(c: Any, meter: str) -> int:
         per_entry = 8 + DTYPES[c.dtype].itemsize
         asked = (c.T * c.H if c.hidden_grad else 0) + (c.v_local * c.H if c.weight_grad else 0)
         return upcast + per_entry * asked
-    unit = memory.unit(c.T, c.v_local)
+    unit = memory.unit(rows(c), c.v_local)
     units = 1.0 if getattr(c, "layout", "contiguous") in NONCONTIGUOUS else 0.0
     nucleus = 0
     if isinstance(c, WrapperCase):
@@ -183,7 +199,7 @@ def budget_use(c: Any, nbytes: int, meter: str = "peak_backward") -> float:
     """A memory figure on the scale of HARNESS_MEMORY_BUDGET: multiples of T*V_local*4 bytes beyond
     what every budget is given on top (the O(T) slack, and the case's `allowance`). The one rule
     of `memory-budget` and of the report's memory table: a figure fails when this exceeds its budget."""
-    return (nbytes - memory.budget_slack(c.T) - allowance(c, meter)) / memory.unit(c.T, c.v_local)
+    return (nbytes - memory.budget_slack(c.T) - allowance(c, meter)) / memory.unit(rows(c), c.v_local)
 
 
 @check("memory-budget", levels=("kernel", "wrapper", "linear"), applies=lambda c, t: c.T > 0 and bool(t.memory_budget),
@@ -198,7 +214,7 @@ def budget(ev: Evidence) -> list[str]:
     unknown = sorted(set(ev.target.memory_budget) - set(memory.METERS))
     if unknown:
         return [f"HARNESS_MEMORY_BUDGET has unknown key(s) {unknown}; known: {list(memory.METERS)}"]
-    unit = memory.unit(c.T, c.v_local)
+    unit = memory.unit(rows(c), c.v_local)
     problems = []
     for r in range(len(ev.ranks)):
         m = _mem(ev, r)
@@ -206,12 +222,14 @@ def budget(ev: Evidence) -> list[str]:
             got = m.get(meter)
             if got is not None and budget_use(c, got, meter) > mult:
                 allowed = int(mult * unit) + allowance(c, meter) + memory.budget_slack(c.T)
-                problems.append(f"rank {r}: {meter} {_fmt(got)} = {got / unit:.2f} x T*V_local*4, budget {mult} x "
-                                f"+ allowances = {_fmt(allowed)}. Largest: {_list(m.get(f'{meter}_tensors', []))}")
+                problems.append(f"{ev.ranks[r].name}: {meter} {_fmt(got)} = {got / unit:.2f} x {_unit_name(c)}, "
+                                f"budget {mult} x + allowances = {_fmt(allowed)}. "
+                                f"Largest: {_list(m.get(f'{meter}_tensors', []))}")
             cuda = m.get(f"cuda_{meter}")
             if cuda is not None and budget_use(c, cuda - memory.CUDA_BLOCK * (m.get(f"{meter}_count") or 0), meter) > mult:
-                problems.append(f"rank {r}: CUDA allocator {meter} {_fmt(cuda)} = {cuda / unit:.2f} x T*V_local*4, "
-                                f"above the budget of {mult} x (with {memory.CUDA_BLOCK} B rounding per storage)")
+                problems.append(f"{ev.ranks[r].name}: CUDA allocator {meter} {_fmt(cuda)} = {cuda / unit:.2f} x "
+                                f"{_unit_name(c)}, above the budget of {mult} x (with {memory.CUDA_BLOCK} B rounding "
+                                f"per storage)")
     return problems
 
 
@@ -235,7 +253,8 @@ def linear_retained(ev: Evidence) -> list[str]:
         m = _mem(ev, r)
         got = m.get("retained")
         if got is not None and got > allowed:
-            problems.append(f"rank {r}: retained {_fmt(got)} after forward = {got / memory.unit(c.T, c.v_local):.2f} x "
-                            f"T*V_local*4; allowed {_fmt(allowed)} (float32 input copies + O(T)). "
+            problems.append(f"{ev.ranks[r].name}: retained {_fmt(got)} after forward = "
+                            f"{got / memory.unit(c.T, c.v_local):.2f} x T*V_local*4; allowed {_fmt(allowed)} "
+                            f"(float32 input copies + O(T)). "
                             f"Largest: {_list(m.get('retained_tensors', []))}")
     return problems

@@ -18,7 +18,7 @@ from harness.meters import trace
 from harness.meters.memory import Meter
 from harness.observations import KernelPass, Observation, RankResult, TensorMeta
 from harness.targets import Target, load_target
-from reference.cp import response_positions
+from reference.cp import PAD, local_rows, response_positions
 
 CASE_JOB = "harness.engine.executor:case_job"
 
@@ -152,9 +152,9 @@ def run_linear(case: LinearCase, target: Target, rank: int, group: Any, device: 
 
 
 def wants_kernel_pass(case: Case, target: Target) -> bool:
-    """Whether a wrapper job also runs its rows through the target's kernel, to compare with (not at
-    CP > 1, where the checks that read it do not apply: harness.checks.CASE_LIMITS)."""
-    return isinstance(case, WrapperCase) and case.kernel_comparable and case.cp == 1 and target.kernel is not None
+    """Whether a wrapper job also runs its rows (at CP > 1, its CP rank's) through the target's
+    kernel, to compare with."""
+    return isinstance(case, WrapperCase) and case.kernel_comparable and target.kernel is not None
 
 
 def cp_weights(case: WrapperCase, per_sample: list[torch.Tensor] | None, cp_rank: int) -> list[torch.Tensor] | None:
@@ -249,7 +249,7 @@ def run_wrapper(case: WrapperCase, target: Target, rank: int, device: torch.devi
         call()
     obs.memory = meter.figures
     if wants_kernel_pass(case, target):
-        obs.kernel_pass = kernel_pass(case, target, call.values, device, meter_memory)
+        obs.kernel_pass = kernel_pass(case, target, call.values, device, meter_memory, cp_rank)
     if not case.autograd and case.T > 0:
         train = _WrapperCall(case.replace(context="train"), target, rank, device, cp_rank=cp_rank)
         with trace.recording():
@@ -259,23 +259,31 @@ def run_wrapper(case: WrapperCase, target: Target, rank: int, device: torch.devi
 
 
 def kernel_pass(case: WrapperCase, target: Target, values: torch.Tensor, device: torch.device,
-                meter_memory: bool = True) -> KernelPass:
+                meter_memory: bool = True, cp_rank: int = 0) -> KernelPass:
     """The target kernel on the wrapper's rows, at the case's chunk size and unchunked, called as
     the wrapper calls it (`[1, T, V_local]` logits, laid out alike, squeezed, shifted targets, the
-    same per-sample losses), on the training path. Its collectives stay out of the job's trace. The temperature is left out: it changes
-    neither the collectives nor, at temperature 1 where memory is compared, the bytes."""
+    same per-sample losses), on the training path. Its collectives stay out of the job's trace. The
+    temperature is left out: it changes neither the collectives nor, at temperature 1 where memory
+    is compared, the bytes. At CP > 1, CP rank `cp_rank`'s rows, padding included, and only the
+    forward's collectives: its memory is not compared there (harness.checks.CASE_LIMITS)."""
     full = case.inputs()
-    tokens = reference.shifted_targets(full.unconcat_tokens, list(case.total_lengths)).to(device)
+    tokens = reference.shifted_targets(full.unconcat_tokens, list(case.total_lengths))
+    if case.cp > 1:  # a padding row's target: 0, as a sample's last row's
+        rows = local_rows(list(case.total_lengths), case.cp, case.cp_layout, cp_rank)
+        tokens = torch.cat([tokens, tokens.new_zeros(1)])[[len(tokens) if g == PAD else g for g in rows]]
+    tokens = tokens.to(device)
     out = KernelPass()
     for chunk in (case.chunk_size, -1):
         # `logits` is a view, or (layout "nonleaf") an op's output: the gradient lands on `source`.
         source, logits = laid_out(values.detach().clone(), case.layout, True)
-        meter = Meter((logits, tokens), device, meter_memory and metered(target))
+        meter = Meter((logits, tokens), device, meter_memory and metered(target) and case.cp == 1)
         with trace.recording() as events, meter.forward():
             log_prob, entropy = target.kernel(logits, tokens, tp_group(), **target.kwargs(
                 "kernel", with_entropy=case.with_entropy, chunk_size=chunk, log_prob_keep_mask=None,
                 with_entropy_grad=case.expects_entropy_grad))
         out.traces[chunk] = list(events)
+        if case.cp > 1:
+            continue
         meter.outputs(log_prob, entropy)
         loss = _response_loss(case, log_prob, full.w_log_probs, device)
         if isinstance(entropy, torch.Tensor) and entropy.requires_grad:

@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+# torch 2.13 names the single-tensor forms `*_single` and keeps the older names as deprecated
+# wrappers that call them: a call is recorded once, under the name the routine used (`_inside`).
 TRACED_OPS = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-    "broadcast", "reduce", "all_to_all", "all_to_all_single", "barrier", "gather", "scatter",
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+    "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce", "all_to_all", "all_to_all_single",
+    "barrier", "gather", "scatter",
 )
 
 Event = tuple[str, int, tuple[int, ...], str]  # op, group size, shape, dtype
@@ -28,6 +32,7 @@ _installed = False
 # collective a rank is blocked in while that rank cannot answer.
 _observer: tuple[Callable[[Event, bool], None], Callable[[], None]] | None = None
 _depth = 0
+_inside = threading.local()  # within a traced call: a traced op it calls is part of it
 
 
 def _describe(op: str, args: tuple, kwargs: dict) -> Event:
@@ -46,19 +51,23 @@ def _wrap(op: str, fn: Callable) -> Callable:
     @functools.wraps(fn)
     def traced(*args: Any, **kwargs: Any):
         observer = _observer
-        if _events is None and observer is None:
+        if (_events is None and observer is None) or getattr(_inside, "op", None):
             return fn(*args, **kwargs)
         # Recorded before the call: a rank that hangs inside still shows what it issued.
         event = _describe(op, args, kwargs)
         if _events is not None:
             _events.append(event)
-        if observer is None:
-            return fn(*args, **kwargs)
-        observer[0](event, _depth == 1)
+        _inside.op = op
         try:
-            return fn(*args, **kwargs)
+            if observer is None:
+                return fn(*args, **kwargs)
+            observer[0](event, _depth == 1)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                observer[1]()
         finally:
-            observer[1]()
+            _inside.op = None
 
     traced.__harness_traced__ = True
     return traced

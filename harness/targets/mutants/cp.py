@@ -65,3 +65,41 @@ class WorldRankAsTPRank(Fused):
         if not (dist.is_available() and dist.is_initialized()):
             return group, world, _rank
         return group, world, dist.get_rank()
+
+
+class _GatherRows(torch.autograd.Function):
+    """Every CP rank's rows of `x`, in CP rank order. Backward: this rank's rows of the gradient, for
+    no other rank keeps a result computed from them."""
+
+    @staticmethod
+    def forward(ctx, x, group, rank, size):
+        out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+        dist.all_gather_single(out, x.contiguous(), group=group)
+        ctx.rows, ctx.rank = x.shape[0], rank
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows], None, None, None
+
+
+@mutant("cp-gathered-logits", "CP: the logits are gathered over the CP group and every rank computes every "
+        "rank's rows, keeping its own rows' results: right values, CP times the memory of its rows",
+        ("memory-budget",), tp=(1, 2))
+class GatheredLogits(Fused):
+    def calculate_log_probs_and_entropy(self, logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
+                                        log_prob_keep_mask=None, with_entropy_grad=True):
+        size, rank, group = self.cp_info()
+        if size == 1:
+            return super().calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy, chunk_size,
+                                                           log_prob_keep_mask, with_entropy_grad)
+        rows = logits.shape[0]
+        mine = slice(rank * rows, (rank + 1) * rows)
+        tokens = tokens.reshape(-1).to(torch.long)
+        every = lambda t: _GatherRows.apply(t, group, rank, size)  # noqa: E731
+        with torch.no_grad():
+            all_tokens = every(tokens)
+            keep = None if log_prob_keep_mask is None else every(log_prob_keep_mask.to(torch.uint8)).bool()
+        log_prob, entropy = super().calculate_log_probs_and_entropy(
+            every(logits), all_tokens, tp_group, with_entropy, chunk_size, keep, with_entropy_grad)
+        return log_prob[mine], None if entropy is None else entropy[mine]
