@@ -310,3 +310,23 @@ def test_recorded_nucleus_is_granted_its_own_size(harness_runner, monkeypatch):
     assert harness_runner.check(case, only={"memory-budget"})[1] == []
     monkeypatch.setattr(memory_checks, "NUCLEUS_ENTRY_BYTES", 0)
     assert [f.check for f in harness_runner.check(case, only={"memory-budget"})[1]] == ["memory-budget"]
+
+
+def test_torch_rule_lookups_answer_none_for_the_meter_and_ask_the_registry_for_other_modes():
+    from torch._library import simple_registry
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Other(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    torch.library.register_torch_dispatch("aten::mul.Tensor", Other,
+                                          lambda mode, func, types, args, kwargs: torch.full((2,), 7.0))
+    find = simple_registry.find_torch_dispatch_rule
+    assert getattr(find, "__harness_meter__", False), "the meter's shortcut is not installed"
+    assert find(torch.ops.aten.mul.Tensor, memory.Meter) is None
+    assert find(torch.ops.aten.mul.Tensor, Other) is not None
+    with Other():
+        assert torch.equal(torch.ones(2) * torch.ones(2), torch.full((2,), 7.0))
+    with memory.Meter(inputs=(), device=torch.device("cpu")):
+        assert torch.equal(torch.ones(2) * torch.ones(2), torch.ones(2))
