@@ -120,16 +120,23 @@ def group_coordinates() -> tuple[int, int, int, tuple[int, int]]:
     return dist.get_rank(), 0, 0, (1, 1)
 
 
-def cp_local_logits(case: WrapperCase, logits: torch.Tensor, cp_rank: int) -> torch.Tensor:
-    """The `[T_local, V]` rows CP rank `cp_rank` holds of the whole sequence's logits, laid out as the
-    case's CP layout says (reference.cp); padding rows get the case's finite filler."""
+def cp_local(case: WrapperCase, full: torch.Tensor, cp_rank: int,
+             padding: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """The rows CP rank `cp_rank` holds of a whole-sequence tensor (`[T, ...]`), laid out as the
+    case's CP layout says (reference.cp); `padding(n)` gives the n local rows, whose padding ones
+    stay as it gave them."""
     if case.cp == 1:
-        return logits
+        return full
     rows = torch.tensor(local_rows(list(case.total_lengths), case.cp, case.cp_layout, cp_rank), dtype=torch.int64)
-    out = case.cp_filler(cp_rank, rows.numel())
+    out = padding(rows.numel())
     real = rows != PAD
-    out[real] = logits[rows[real]]
+    out[real] = full[rows[real]]
     return out
+
+
+def cp_local_logits(case: WrapperCase, logits: torch.Tensor, cp_rank: int) -> torch.Tensor:
+    """The `[T_local, V]` logits rows CP rank `cp_rank` holds; padding rows get the case's finite filler."""
+    return cp_local(case, logits, cp_rank, lambda n: case.cp_filler(cp_rank, n))
 
 
 @dataclass(frozen=True)

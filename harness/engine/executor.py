@@ -12,13 +12,13 @@ import torch
 
 import reference
 from cases.case import Case, KernelCase, LinearCase, WrapperCase
-from harness.engine.calls import (KernelShard, LinearShard, cp_local_logits, grad_context, group_coordinates, laid_out,
-                                  shard, tokens_laid_out, tp_group, view_of, weighted)
+from harness.engine.calls import (KernelShard, LinearShard, cp_local, cp_local_logits, grad_context, group_coordinates,
+                                  laid_out, shard, tokens_laid_out, tp_group, view_of, weighted)
 from harness.meters import trace
 from harness.meters.memory import Meter
 from harness.observations import KernelPass, Observation, RankResult, TensorMeta
 from harness.targets import Target, load_target
-from reference.cp import PAD, local_rows, response_positions
+from reference.cp import response_positions
 
 CASE_JOB = "harness.engine.executor:case_job"
 
@@ -268,10 +268,8 @@ def kernel_pass(case: WrapperCase, target: Target, values: torch.Tensor, device:
     forward's collectives: its memory is not compared there (harness.checks.CASE_LIMITS)."""
     full = case.inputs()
     tokens = reference.shifted_targets(full.unconcat_tokens, list(case.total_lengths))
-    if case.cp > 1:  # a padding row's target: 0, as a sample's last row's
-        rows = local_rows(list(case.total_lengths), case.cp, case.cp_layout, cp_rank)
-        tokens = torch.cat([tokens, tokens.new_zeros(1)])[[len(tokens) if g == PAD else g for g in rows]]
-    tokens = tokens.to(device)
+    # A padding row's target: 0, as a sample's last row's.
+    tokens = cp_local(case, tokens, cp_rank, lambda n: tokens.new_zeros(n)).to(device)
     out = KernelPass()
     for chunk in (case.chunk_size, -1):
         # `logits` is a view, or (layout "nonleaf") an op's output: the gradient lands on `source`.
