@@ -132,3 +132,36 @@ def traced_gathers(ctx) -> list:
         dist.all_gather_into_tensor(torch.empty(4), x)
         dist.reduce_scatter_single(torch.empty(1), x)
     return [(op, size, list(shape)) for op, size, shape, _ in events]
+
+
+def both_ledgers(ctx, case, target_spec: str) -> dict:
+    """This rank's memory figures of one case, measured by each ledger in turn (the wrapper's
+    kernel-pass figures included): what scripts/ledger_check.py compares."""
+    from harness.engine.executor import case_job
+    from harness.meters import memory
+
+    out = {}
+    for name, ledger in (("mode", memory.ModeLedger), ("compiled", memory.compiled_ledger())):
+        original = memory.ledger_class
+        memory.ledger_class = lambda ledger=ledger: ledger
+        try:
+            result = case_job(ctx, case, target_spec)
+        finally:
+            memory.ledger_class = original
+        passes = result.obs.kernel_pass.memory if result.obs.kernel_pass is not None else {}
+        out[name] = {"error": result.error, "memory": result.obs.memory, "kernel_pass": passes}
+    return out
+
+
+def collective_behind_the_ledgers_back(ctx) -> tuple[dict, str, str]:
+    """A counted storage handed to a ProcessGroup directly, not through torch.distributed's
+    functions: the figures of that call, and the ledger this process uses after it (then reset)."""
+    from harness.meters import memory
+
+    meter = memory.Meter((), ctx.device, ledger=memory.compiled_ledger())
+    with meter.forward():
+        t = torch.ones(64)
+        dist.distributed_c10d._get_default_group().allreduce([t]).wait()
+    after = memory.ledger_class().__name__
+    memory._fallen_back = False
+    return meter.figures, after, memory.ledger_class().__name__

@@ -48,6 +48,7 @@ import torch.multiprocessing as mp
 
 from harness.engine import stacks, wire
 from harness.engine.progress import ProgressBoard
+from harness.meters import memory
 from harness.errors import PoolStartError
 from harness.meters.trace import fmt_event
 from harness.observations import HANG_KINDS, RankResult
@@ -224,6 +225,8 @@ class WorkerPool:
                 import megatron.core.parallel_state  # noqa: F401
         if self.backend == "gloo":
             _leave_cores_to_ranks()
+        # Built (or loaded from torch's extension cache) here, once: not by every rank at once.
+        memory.compiled_ledger()
         ctx = mp.get_context(self.start_method)
         label = f"tp{self.tp}" + (f"cp{self.cp}" if self.cp > 1 else "") + (f"dp{self.dp}" if self.dp > 1 else "")
         self.store_dir = tempfile.mkdtemp(prefix=f"harness-{label}-")

@@ -4,10 +4,13 @@ A `Meter` watches a forward phase and a backward phase. It counts *storages*, on
 many tensors view them, and only those the phases allocate or save; the caller's inputs never count.
 
 - An op allocates a storage when one of its outputs lives in a storage that none of its inputs
-  does (a `TorchDispatchMode` sees every op, inside autograd Functions and inside backward).
-- A storage dies when PyTorch frees it: a weak reference to the storage fires then, wherever the
-  last user was (a saved tensor, a ctx attribute, a cache). So a tensor stashed on `ctx` cannot
-  hide: it is alive, and alive is what counts.
+  does. A ledger sees every op, inside autograd Functions and inside backward: the C++ one
+  (`ledger.cpp`, RecordFunction callbacks, no Python per op) where it builds, else `ModeLedger`
+  (a `TorchDispatchMode`), which is also the reference the C++ one is held to
+  (`scripts/ledger_check.py`).
+- A storage dies when PyTorch frees it, wherever the last user was (a saved tensor, a ctx
+  attribute, a cache). So a tensor stashed on `ctx` cannot hide: it is alive, and alive is what
+  counts.
 - `saved_tensors_hooks` marks what autograd saved for backward, so findings can say which
   retained tensors were saved and which were kept some other way.
 - A collective's work object keeps its tensors until a backend thread lets go of it, a moment
@@ -27,13 +30,18 @@ the allocation level when the forward began.
 from __future__ import annotations
 
 import contextlib
+import functools
+import subprocess
 import weakref
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from harness.meters import trace
 
 # The "O(T)" tolerances, in bytes per row plus a constant. Two calls of one routine compared differ
 # by an output or a token vector at most: four float32 vectors. An absolute figure against a budget
@@ -156,8 +164,9 @@ def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
     return t
 
 
-class Meter(TorchDispatchMode):
-    """Live bytes of every storage allocated or saved during `forward()` and `backward()`.
+class ModeLedger(TorchDispatchMode):
+    """The meter's accounting in Python, through a dispatch mode: the reference that the C++
+    ledger (`ledger.cpp`) is held to, and the ledger where that cannot be built.
 
     It sees every aten op of the call (a thousand for a small chunked case), so each op's cost
     counts: views pass straight through, and only an op whose schema lets an output alias an
@@ -170,12 +179,9 @@ class Meter(TorchDispatchMode):
         # (`executor.metered`), so there is no Dynamo frame to keep out.
         return False
 
-    def __init__(self, inputs: Any, device: torch.device, active: bool = True):
-        """`active` False: measure nothing (no dispatch mode, no saved-tensor hooks; `figures`
-        stays empty), for a routine that a Python dispatch mode would change (torch.compile)."""
+    def __init__(self, inputs: list[int]):
         super().__init__()
-        self.active = active
-        self._inputs = {k for k in map(_key, _tensors(inputs)) if k is not None}
+        self._inputs = set(inputs)
         self._live: dict[int, Storage] = {}
         self._refs: dict[int, _StorageRef] = {}
         self._current = 0
@@ -186,9 +192,15 @@ class Meter(TorchDispatchMode):
         self._left: dict[int, Storage] = {}  # retained, still alive after backward, not an output
         self._aliases: dict[int, list[weakref.ref]] = {}  # storage -> aliases handed to collectives
         self._dead: deque[_StorageRef] = deque()  # freed, not yet accounted
-        self._cuda = device if device.type == "cuda" else None
-        self._cuda_base = 0
-        self.figures: dict[str, Any] = {}
+
+    def attach(self) -> None:
+        self.__enter__()
+
+    def detach(self) -> None:
+        self.__exit__(None, None, None)
+
+    def unaliased(self) -> str:
+        return ""  # every collective is handed aliases, at the op
 
     # ---------------------------------------------------------------- accounting
     def _drain(self) -> None:
@@ -215,7 +227,7 @@ class Meter(TorchDispatchMode):
             self._peak = self._current
             self._peak_live = list(self._live.values())
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Account the queued frees, and count as freed the storages that only collectives' work
         objects still hold."""
         self._drain()
@@ -251,7 +263,7 @@ class Meter(TorchDispatchMode):
         # What was freed since the last op, and by this one, before what it allocated: the peak
         # only moves at an allocation, so frees need no accounting sooner.
         if self._aliases:
-            self._settle()
+            self.settle()
         elif self._dead:
             self._drain()
         seen = _NONE if kind is _FUNCTIONAL else None
@@ -277,12 +289,115 @@ class Meter(TorchDispatchMode):
                 self._add(key, st, t, name)
         return out
 
-    def _pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def pack(self, t: torch.Tensor) -> None:
         self._drain()
         key = _key(t)
         if key is not None and key not in self._inputs:
             entry = self._live.get(key) or self._add(key, t.untyped_storage(), t, "saved")
             entry.saved = True
+
+    # ---------------------------------------------------------------- phases
+    def forward_end(self) -> dict[str, Any]:
+        self.settle()
+        self._retained = dict(self._live)
+        return dict(retained=self._current, retained_count=len(self._live),
+                    saved=sum(e.nbytes for e in self._live.values() if e.saved),
+                    peak_forward=self._peak, peak_forward_count=len(self._peak_live),
+                    peak_forward_tensors=_top(self._peak_live))
+
+    def mark_outputs(self, keys: list[int]) -> dict[str, Any]:
+        self._drain()
+        self._outputs = set(keys)
+        for k in self._outputs:
+            if k in self._live:
+                self._live[k].output = True
+        return {"retained_tensors": _top(self._retained.values())}
+
+    def backward_start(self) -> None:
+        self.settle()
+        self._peak, self._peak_live = self._current, list(self._live.values())
+
+    def backward_end(self) -> dict[str, Any]:
+        self.settle()
+        # Identity, not key: a freed storage's key can come back with a new storage.
+        self._left = {k: e for k, e in self._retained.items() if self._live.get(k) is e and k not in self._outputs}
+        return dict(peak_backward=self._peak, peak_backward_count=len(self._peak_live),
+                    peak_backward_tensors=_top(self._peak_live), **self._leftover())
+
+    def gradients(self, keys: list[int]) -> dict[str, Any]:
+        self._drain()
+        handed = set(keys)
+        self._left = {k: e for k, e in self._left.items() if k not in handed}
+        return self._leftover()
+
+    def _leftover(self) -> dict[str, Any]:
+        left = list(self._left.values())
+        return dict(leftover=sum(e.nbytes for e in left), leftover_tensors=_top(left))
+
+
+@functools.cache
+def compiled_ledger() -> type | None:
+    """The C++ ledger, compiled at its first use on a machine (about 40 s on two cores) and
+    loaded from torch's extension cache after; None where it cannot be built (no compiler)."""
+    from torch.utils import cpp_extension
+
+    try:
+        # NDEBUG as torch's release builds have it: without it, RecordFunction's inline accessors
+        # assert on state that only a debug build of torch keeps.
+        module = cpp_extension.load(name="harness_ledger", sources=[str(Path(__file__).with_name("ledger.cpp"))],
+                                    extra_cflags=["-O2", "-DNDEBUG"], verbose=False)
+    except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError):
+        return None
+    return module.Ledger
+
+
+_fallen_back = False  # a routine handed a collective a counted storage behind the ledger's back
+
+
+def ledger_class() -> type:
+    """The ledger that meters use in this process: the C++ one where it builds."""
+    compiled = compiled_ledger()
+    return ModeLedger if compiled is None or _fallen_back else compiled
+
+
+class Meter:
+    """Live bytes of every storage allocated or saved during `forward()` and `backward()`."""
+
+    def __init__(self, inputs: Any, device: torch.device, active: bool = True, ledger: type | None = None):
+        """`active` False: measure nothing (no ledger, no saved-tensor hooks; `figures` stays
+        empty), for a routine that a Python dispatch mode would change (torch.compile)."""
+        self.active = active
+        keys = [k for k in map(_key, _tensors(inputs)) if k is not None]
+        self._ledger = (ledger or ledger_class())(keys) if active else None
+        self._cuda = device if device.type == "cuda" else None
+        self._cuda_base = 0
+        self.figures: dict[str, Any] = {}
+
+    @contextlib.contextmanager
+    def _attached(self) -> Iterator[None]:
+        # The C++ ledger cannot hand a collective's op aliases, so torch.distributed's functions
+        # do (`trace.alias_collectives`); the dispatch mode does it at the op.
+        ledger = self._ledger
+        ledger.attach()
+        try:
+            with trace.alias_collectives(None if isinstance(ledger, ModeLedger) else ledger.alias):
+                yield
+        finally:
+            ledger.detach()
+        self._check_aliases()
+
+    def _check_aliases(self) -> None:
+        """A collective handed a counted storage that `alias` never saw: its figures could race
+        with a backend thread, so this call goes unmeasured, and this process's later meters use
+        the dispatch mode, which aliases at the op."""
+        global _fallen_back
+        if self._ledger.unaliased():
+            _fallen_back = True
+            self.active = False
+            self.figures = {}
+
+    def _pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        self._ledger.pack(t)
         # A detached alias shares storage and version counter but not grad_fn: returning `t` itself
         # would make a saved output a reference cycle, and keep it alive after backward.
         return t.detach(), t._version
@@ -310,26 +425,17 @@ class Meter(TorchDispatchMode):
             yield
             return
         self._cuda_start(first=True)
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack), self:
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack), self._attached():
             yield
-        self._settle()
-        self._retained = dict(self._live)
-        self._cuda_stop("forward")
-        self.figures.update(retained=self._current, retained_count=len(self._live),
-                            saved=sum(e.nbytes for e in self._live.values() if e.saved),
-                            peak_forward=self._peak, peak_forward_count=len(self._peak_live),
-                            peak_forward_tensors=_top(self._peak_live))
+        if self.active:
+            figures = self._ledger.forward_end()
+            self._cuda_stop("forward")
+            self.figures.update(figures)
 
     def outputs(self, *outs: Any) -> None:
         """Mark the storages of what the call returned (the caller holds them after backward too)."""
-        if not self.active:
-            return
-        self._drain()
-        self._outputs = {k for k in map(_key, _tensors(outs)) if k is not None}
-        for k in self._outputs:
-            if k in self._live:
-                self._live[k].output = True
-        self.figures["retained_tensors"] = _top(self._retained.values())
+        if self.active:
+            self.figures.update(self._ledger.mark_outputs([k for k in map(_key, _tensors(outs)) if k is not None]))
 
     @contextlib.contextmanager
     def backward(self) -> Iterator[None]:
@@ -338,32 +444,20 @@ class Meter(TorchDispatchMode):
             yield
             return
         self._cuda_start(first=False)
-        self._settle()
-        self._peak, self._peak_live = self._current, list(self._live.values())
-        with self:
+        self._ledger.backward_start()
+        with self._attached():
             yield
-        self._settle()
-        self._cuda_stop("backward")
-        # Identity, not key: a freed storage's key can come back with a new storage.
-        self._left = {k: e for k, e in self._retained.items() if self._live.get(k) is e and k not in self._outputs}
-        self.figures.update(peak_backward=self._peak, peak_backward_count=len(self._peak_live),
-                            peak_backward_tensors=_top(self._peak_live))
-        self._leftover()
+        if self.active:
+            figures = self._ledger.backward_end()
+            self._cuda_stop("backward")
+            self.figures.update(figures)
 
     def gradients(self, *grads: Any) -> None:
         """Mark what the backward handed the caller as input gradients: a storage the forward saved
         and the backward returned as the gradient (slime turns its saved softmax into the gradient in
         place, saving a [T, V_local] allocation) is the caller's `.grad` now, not leftover."""
-        if not self.active:
-            return
-        self._drain()
-        keys = {k for k in map(_key, _tensors(grads)) if k is not None}
-        self._left = {k: e for k, e in self._left.items() if k not in keys}
-        self._leftover()
-
-    def _leftover(self) -> None:
-        left = list(self._left.values())
-        self.figures.update(leftover=sum(e.nbytes for e in left), leftover_tensors=_top(left))
+        if self.active:
+            self.figures.update(self._ledger.gradients([k for k in map(_key, _tensors(grads)) if k is not None]))
 
 
 def _answer_rule_lookups_for_the_meter() -> None:
@@ -381,7 +475,7 @@ def _answer_rule_lookups_for_the_meter() -> None:
         return
 
     def find_torch_dispatch_rule(op: Any, torch_dispatch_class: type) -> Any:
-        return None if torch_dispatch_class is Meter else find(op, torch_dispatch_class)
+        return None if torch_dispatch_class is ModeLedger else find(op, torch_dispatch_class)
 
     find_torch_dispatch_rule.__harness_meter__ = True  # type: ignore[attr-defined]
     simple_registry.find_torch_dispatch_rule = find_torch_dispatch_rule

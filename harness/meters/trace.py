@@ -32,6 +32,9 @@ _installed = False
 # collective a rank is blocked in while that rank cannot answer.
 _observer: tuple[Callable[[Event, bool], None], Callable[[], None]] | None = None
 _depth = 0
+# Set while the C++ memory ledger meters a call: what a collective is handed instead of each tensor
+# (`memory.Meter._attached`), so that its work object holds aliases the ledger can tell apart.
+_alias: Callable[[torch.Tensor], torch.Tensor] | None = None
 _inside = threading.local()  # within a traced call: a traced op it calls is part of it
 
 
@@ -51,8 +54,10 @@ def _wrap(op: str, fn: Callable) -> Callable:
     @functools.wraps(fn)
     def traced(*args: Any, **kwargs: Any):
         observer = _observer
-        if (_events is None and observer is None) or getattr(_inside, "op", None):
+        if (_events is None and observer is None and _alias is None) or getattr(_inside, "op", None):
             return fn(*args, **kwargs)
+        if _alias is not None:
+            args, kwargs = _aliased(args, _alias), {k: _aliased(v, _alias) for k, v in kwargs.items()}
         # Recorded before the call: a rank that hangs inside still shows what it issued.
         event = _describe(op, args, kwargs)
         if _events is not None:
@@ -71,6 +76,24 @@ def _wrap(op: str, fn: Callable) -> Callable:
 
     traced.__harness_traced__ = True
     return traced
+
+
+def _aliased(obj: Any, alias: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return alias(obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_aliased(o, alias) for o in obj)
+    return obj
+
+
+@contextlib.contextmanager
+def alias_collectives(alias: Callable[[torch.Tensor], torch.Tensor] | None) -> Iterator[None]:
+    global _alias
+    outer, _alias = _alias, alias
+    try:
+        yield
+    finally:
+        _alias = outer
 
 
 def install() -> None:
