@@ -376,11 +376,15 @@ class Meter:
     @contextlib.contextmanager
     def _attached(self) -> Iterator[None]:
         # The C++ ledger cannot hand a collective's op aliases, so torch.distributed's functions
-        # do (`trace.alias_collectives`); the dispatch mode does it at the op.
+        # do (`trace.alias_collectives`); the dispatch mode does it at the op. torch.compile'd
+        # parts of a metered routine (megatron-core's fusions) run eagerly, as under a dispatch
+        # mode, which Dynamo does not compile through: compiled code allocates past the
+        # dispatcher, and its first call would meter the compiler's own allocations.
         ledger = self._ledger
         ledger.attach()
         try:
-            with trace.alias_collectives(None if isinstance(ledger, ModeLedger) else ledger.alias):
+            with trace.alias_collectives(None if isinstance(ledger, ModeLedger) else ledger.alias), \
+                    torch.compiler.set_stance("force_eager"):
                 yield
         finally:
             ledger.detach()
