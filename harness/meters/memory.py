@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import subprocess
 import weakref
 from collections import deque
@@ -341,11 +342,13 @@ def compiled_ledger() -> type | None:
     loaded from torch's extension cache after; None where it cannot be built (no compiler)."""
     from torch.utils import cpp_extension
 
+    source = Path(__file__).with_name("ledger.cpp")
+    # Named by its content: checkouts of other versions build and load their own, side by side.
+    name = "harness_ledger_" + hashlib.sha1(source.read_bytes()).hexdigest()[:12]
     try:
         # NDEBUG as torch's release builds have it: without it, RecordFunction's inline accessors
         # assert on state that only a debug build of torch keeps.
-        module = cpp_extension.load(name="harness_ledger", sources=[str(Path(__file__).with_name("ledger.cpp"))],
-                                    extra_cflags=["-O2", "-DNDEBUG"], verbose=False)
+        module = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O2", "-DNDEBUG"], verbose=False)
     except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError):
         return None
     return module.Ledger
