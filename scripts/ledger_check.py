@@ -1,6 +1,6 @@
 """The C++ memory ledger against the dispatch-mode ledger it replaces (docs/memory.md, "The
 ledger"): each drawn case runs on its pool twice, once with each ledger, and every memory figure
-of every rank must be identical, bytes and counts, the wrapper's kernel-pass figures included.
+of every rank must be identical, in bytes, the wrapper's kernel-pass figures included.
 A dispatch mode keeps each output's Python object alive, so autograd cannot accumulate two
 gradients in place into a buffer it would own (`add` where a run without the mode does `add_`):
 under the mode a backward peak can be higher, and the tensors listed can name other ops. Those
@@ -53,15 +53,14 @@ def main(target: str, n: int, tps: list[int], levels: list[str], cp: int) -> int
                     for rank, figures in enumerate(pool.run("tests.pool_jobs:both_ledgers", case, target)):
                         compared += 1
                         diffs = differences(figures["mode"], figures["compiled"])
-                        figures_differ = [d for d in diffs if not d[0].endswith(("_tensors", "_count"))]
-                        if figures_differ and all(lower_backward_peak(d) for d in figures_differ):
-                            below += 1
-                            continue
                         for _, a, b in diffs:
                             if isinstance(a, list) and isinstance(b, list):
                                 renamed[(str(sorted(t["op"] for t in a if t not in b)),
                                          str(sorted(t["op"] for t in b if t not in a)))] += 1
-                        if figures_differ:
+                        figures_differ = [d for d in diffs if not d[0].endswith(("_tensors", "_count"))]
+                        if figures_differ and all(lower_backward_peak(d) for d in figures_differ):
+                            below += 1
+                        elif figures_differ:
                             differ += 1
                             print(f"DIFFER {case} rank {rank}:")
                             for where, a, b in figures_differ:

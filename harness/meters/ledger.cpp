@@ -1,6 +1,6 @@
 // The memory meter's per-op accounting, in C++ (docs/memory.md, "The ledger").
 //
-// It counts what `memory.PyLedger`, its reference, counts, from the same events: an op's outputs
+// It counts what `memory.ModeLedger`, its reference, counts, from the same events: an op's outputs
 // whose storages none of its inputs has are new; a storage dies when its last reference goes. It
 // sees the ops through a thread-local RecordFunction callback, not a Python dispatch mode, so an op
 // costs no Python frame. A RecordFunction fires at every dispatcher call, and a dispatch mode sees
@@ -90,13 +90,13 @@ Key key_of(const at::Tensor& t) {
 
 class Ledger;
 thread_local Ledger* tl_ledger = nullptr;
-thread_local int tl_depth = 0;  // ops under way that a dispatch mode would have seen
 
 struct Call : at::ObserverContext {
   const OpInfo* info;
   std::vector<Key> args;
 };
-thread_local const Call* tl_call = nullptr;  // the outermost of them
+// The op under way that a dispatch mode would have seen: what it calls inside, a mode never sees.
+thread_local const Call* tl_call = nullptr;
 
 class Ledger {
  public:
@@ -108,7 +108,6 @@ class Ledger {
   void attach() {
     TORCH_CHECK(tl_ledger == nullptr, "a ledger is already attached on this thread");
     tl_ledger = this;
-    tl_depth = 0;
     tl_call = nullptr;
     handle_ = at::addThreadLocalCallback(at::RecordFunctionCallback(&on_start, &on_end)
                                              .needsInputs(true)
@@ -195,7 +194,9 @@ class Ledger {
           }
           return;
         }
-        if ((call.info->fresh_outputs && !call.info->collective) || std::find(call.args.begin(), call.args.end(), key) == call.args.end()) {
+        bool new_storage = (call.info->fresh_outputs && !call.info->collective) ||
+                           std::find(call.args.begin(), call.args.end(), key) == call.args.end();
+        if (new_storage) {
           add(key, t, call.info->name);
         }
       });
@@ -306,7 +307,7 @@ class Ledger {
 
  private:
   static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
-    if (tl_ledger == nullptr || tl_depth > 0 || c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Python)) {
+    if (tl_ledger == nullptr || tl_call != nullptr || c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Python)) {
       return nullptr;
     }
     const OpInfo& info = op_info(fn);
@@ -321,7 +322,7 @@ class Ledger {
         });
       }
     }
-    if (tl_depth++ == 0) tl_call = call.get();
+    tl_call = call.get();
     return call;
   }
 
@@ -342,7 +343,7 @@ class Ledger {
 
   static void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
     if (ctx == nullptr) return;
-    if (--tl_depth == 0) tl_call = nullptr;
+    tl_call = nullptr;
     if (tl_ledger != nullptr) tl_ledger->after_op(*static_cast<Call*>(ctx), fn.outputs());
   }
 
@@ -413,7 +414,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<const std::vector<int64_t>&>())
       .def("attach", &Ledger::attach)
       .def("detach", &Ledger::detach)
-      .def("settle", &Ledger::settle)
       .def("pack", &Ledger::pack)
       .def("alias", &Ledger::alias)
       .def("forward_end", &Ledger::forward_end)

@@ -228,7 +228,7 @@ class ModeLedger(TorchDispatchMode):
             self._peak = self._current
             self._peak_live = list(self._live.values())
 
-    def settle(self) -> None:
+    def _settle(self) -> None:
         """Account the queued frees, and count as freed the storages that only collectives' work
         objects still hold."""
         self._drain()
@@ -241,17 +241,13 @@ class ModeLedger(TorchDispatchMode):
                 del self._aliases[key], self._live[key], self._refs[key]
                 self._current -= entry.nbytes
 
-    def _alias(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            key = _key(obj)
-            if key is None or key not in self._live:
-                return obj
-            alias = obj.detach()
-            self._aliases.setdefault(key, []).append(weakref.ref(alias))
-            return alias
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(self._alias(o) for o in obj)
-        return obj
+    def _alias(self, t: torch.Tensor) -> torch.Tensor:
+        key = _key(t)
+        if key is None or key not in self._live:
+            return t
+        alias = t.detach()
+        self._aliases.setdefault(key, []).append(weakref.ref(alias))
+        return alias
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -259,12 +255,13 @@ class ModeLedger(TorchDispatchMode):
         if kind is _VIEW:  # allocates nothing
             return call(*args, **kwargs)
         if kind is _COLLECTIVE:
-            args, kwargs = self._alias(args), {k: self._alias(v) for k, v in kwargs.items()}
+            args = trace.aliased(args, self._alias)
+            kwargs = {k: trace.aliased(v, self._alias) for k, v in kwargs.items()}
         out = call(*args, **kwargs)
         # What was freed since the last op, and by this one, before what it allocated: the peak
         # only moves at an allocation, so frees need no accounting sooner.
         if self._aliases:
-            self.settle()
+            self._settle()
         elif self._dead:
             self._drain()
         seen = _NONE if kind is _FUNCTIONAL else None
@@ -299,7 +296,7 @@ class ModeLedger(TorchDispatchMode):
 
     # ---------------------------------------------------------------- phases
     def forward_end(self) -> dict[str, Any]:
-        self.settle()
+        self._settle()
         self._retained = dict(self._live)
         return dict(retained=self._current, retained_count=len(self._live),
                     saved=sum(e.nbytes for e in self._live.values() if e.saved),
@@ -315,11 +312,11 @@ class ModeLedger(TorchDispatchMode):
         return {"retained_tensors": _top(self._retained.values())}
 
     def backward_start(self) -> None:
-        self.settle()
+        self._settle()
         self._peak, self._peak_live = self._current, list(self._live.values())
 
     def backward_end(self) -> dict[str, Any]:
-        self.settle()
+        self._settle()
         # Identity, not key: a freed storage's key can come back with a new storage.
         self._left = {k: e for k, e in self._retained.items() if self._live.get(k) is e and k not in self._outputs}
         return dict(peak_backward=self._peak, peak_backward_count=len(self._peak_live),

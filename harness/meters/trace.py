@@ -57,7 +57,7 @@ def _wrap(op: str, fn: Callable) -> Callable:
         if (_events is None and observer is None and _alias is None) or getattr(_inside, "op", None):
             return fn(*args, **kwargs)
         if _alias is not None:
-            args, kwargs = _aliased(args, _alias), {k: _aliased(v, _alias) for k, v in kwargs.items()}
+            args, kwargs = aliased(args, _alias), {k: aliased(v, _alias) for k, v in kwargs.items()}
         # Recorded before the call: a rank that hangs inside still shows what it issued.
         event = _describe(op, args, kwargs)
         if _events is not None:
@@ -78,11 +78,12 @@ def _wrap(op: str, fn: Callable) -> Callable:
     return traced
 
 
-def _aliased(obj: Any, alias: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def aliased(obj: Any, alias: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`obj` with `alias(t)` for each tensor `t` in it, through nested lists and tuples."""
     if isinstance(obj, torch.Tensor):
         return alias(obj)
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_aliased(o, alias) for o in obj)
+        return type(obj)(aliased(o, alias) for o in obj)
     return obj
 
 
