@@ -34,7 +34,7 @@ TOKEN_LAYOUTS = ("contiguous", "strided", "offset")  # int64 always; a view or a
 # on ctx is overwritten by the second call and shows in the first call's gradient).
 CONTEXTS = ("train", "no_grad", "inference_mode", "accumulate", "two_calls", "two_inputs")
 AUTOGRAD_OFF = ("no_grad", "inference_mode")
-# Context parallelism (CONTRACT.md): how the packed sequence's rows are spread over the CP ranks.
+# Context parallelism (docs/contract.md): how the packed sequence's rows are spread over the CP ranks.
 CP_LAYOUTS = ("zigzag", "allgather")
 TWO_CALLS = ("accumulate", "two_calls")
 LINEAR_CONTEXTS = ("train", "two_inputs")  # the fused-linear level runs on the training path only

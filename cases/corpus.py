@@ -1,4 +1,4 @@
-"""The regression corpus: one named case per real defect in CONTRACT.md's history, always run.
+"""The regression corpus: one named case per real defect in docs/contract.md's history, always run.
 
 Each entry is data: the case that would have exposed the defect and the check that sees it.
 """
@@ -128,7 +128,7 @@ CORPUS: tuple[Regression, ...] = (
                LinearCase(tp=2, T=5, H=12, v_local=6, with_entropy_grad=False, seed=18)),
     Regression("linear-peaked-bf16", "fused linear: bf16 inputs, float32 matmul accumulation; a peaked row",
                "values", LinearCase(tp=4, T=7, H=48, v_local=9, dtype="bf16", regime="peaked", seed=19)),
-    # Cases real trainers make (issue 24).
+    # Cases real trainers make.
     Regression("linear-frozen-head", "caller: a frozen LM head (LoRA, adapters): the hidden states' gradient only, "
                "and no memory spent on the weight's", "memory-budget",
                LinearCase(tp=2, T=4, H=64, v_local=32, frozen="weight", seed=24)),
@@ -145,7 +145,7 @@ CORPUS: tuple[Regression, ...] = (
                "of drifting data take it past the bound (scripts/deep_accumulation.py)", "gradients",
                LinearCase(tp=1, T=256, H=8, v_local=16, dtype="bf16", regime="drift", chunk_size=1, with_entropy=False,
                           seed=244)),
-    Regression("wrapper-transposed-contiguous-copy", "a false finding (issue 24): a wrapper's contiguous copy of "
+    Regression("wrapper-transposed-contiguous-copy", "a false finding of the harness's own: a wrapper's contiguous copy of "
                "transposed logits, which the kernel saves, is the allowance memory-budget grants; "
                "memory-chunk-passthrough must grant it too", "memory-chunk-passthrough",
                WrapperCase(tp=1, v_local=7, total_lengths=(4,), response_lengths=(0,), chunk_size=1, with_entropy=False,

@@ -26,7 +26,7 @@ from harness.engine.explorer import explore, plan, run_corpus
 from harness.engine.limits import RunLimits
 from harness.engine.runner import Runner
 from harness.errors import HarnessError, TargetError, UsageError
-from harness.findings import Finding
+from harness.findings import FOLDED, SHRUNK, START, Finding, reading_order
 from harness.options import RunConfig
 from harness.report import render, trend
 
@@ -67,27 +67,32 @@ FOLDED_SHOWN = 8  # a check's other findings listed, one line each, under its sh
 
 
 def finding_blocks(findings: list[Finding], json_file: str | None = None) -> list[str]:
-    """What the run prints of its findings, check by check in the order they first failed: the
-    check's shrunk (minimal) findings first and in full, the first labelled as the one to start
-    from; its other findings (the corpus's, larger cases) folded under them, one line each. The
-    JSON keeps every finding in full."""
-    by_check: dict[str, list[Finding]] = {}
-    for f in findings:
-        by_check.setdefault(f.check, []).append(f)
-    blocks = []
-    for check, group in by_check.items():
-        lead = [f for f in group if f.shrunk] or group[:1]
-        rest = [f for f in group if not any(f is g for g in lead)]
-        for i, f in enumerate(lead):
-            label = (" shrunk, start from this one:" if i == 0 else " shrunk:") if f.shrunk else ""
-            message = f.message[:1500].replace("\n", "\n  ")
-            blocks.append(f"\nFINDING [{f.check}] ({f.level}){label} {f.case}\n  {message}\n  repro: {f.repro}")
-        if rest:
+    """What the run prints of its findings, in `reading_order`: each check's leading findings in
+    full, the run's first shrunk one labelled as the one to start from; the check's other findings
+    folded under them, one line each. The JSON keeps every finding in full."""
+    blocks: list[str] = []
+    folded: list[Finding] = []
+
+    def fold() -> None:
+        if folded:
             where = f"in full in {json_file}" if json_file else "in full with --json FILE"
-            lines = [f"    {f.case}" for f in rest[:FOLDED_SHOWN]]
-            if len(rest) > FOLDED_SHOWN:
-                lines.append(f"    ... and {len(rest) - FOLDED_SHOWN} more")
-            blocks.append(f"  and {len(rest)} more [{check}] finding(s) on other cases ({where}):\n" + "\n".join(lines))
+            lines = [f"    {f.case}" for f in folded[:FOLDED_SHOWN]]
+            if len(folded) > FOLDED_SHOWN:
+                lines.append(f"    ... and {len(folded) - FOLDED_SHOWN} more")
+            blocks.append(f"  and {len(folded)} more [{folded[0].check}] finding(s) on other cases ({where}):\n"
+                          + "\n".join(lines))
+            folded.clear()
+
+    for i, role in reading_order([(f.check, f.shrunk) for f in findings]):
+        f = findings[i]
+        if role == FOLDED:
+            folded.append(f)
+            continue
+        fold()
+        label = {START: " shrunk, start from this one:", SHRUNK: " shrunk:"}.get(role, "")
+        message = f.message[:1500].replace("\n", "\n  ")
+        blocks.append(f"\nFINDING [{f.check}] ({f.level}){label} {f.case}\n  {message}\n  repro: {f.repro}")
+    fold()
     return blocks
 
 

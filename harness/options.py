@@ -15,6 +15,8 @@ from cases.profiles import DEFAULT_PROFILE, PROFILES
 from harness.errors import UsageError
 from harness.targets import DEFAULT_TARGET
 
+COLLECTIVE_TIMEOUT_S = 20.0  # the gloo/NCCL timeout's default, for every front end and pool
+
 
 def tp_list(text: str) -> list[int]:
     try:
@@ -112,11 +114,12 @@ OPTIONS: dict[str, Option] = {o.dest: o for o in (
            "none for pytest; 1: none)", None, cp_list),
     Option("--device", "cpu: gloo pools, fork; cuda: NCCL pools, spawn", "cpu", choices=("cpu", "cuda")),
     Option("--collective-timeout", "gloo/NCCL timeout of every collective, seconds: the backstop of a "
-           "stuck collective (stuck ranks are found sooner, by evidence)", 20.0, positive_float, metavar="S"),
+           "stuck collective (stuck ranks are found sooner, by evidence)", COLLECTIVE_TIMEOUT_S, positive_float, metavar="S"),
     Option("--case-timeout", "deadline of one case, seconds (default: 100 x the pool's median case time, "
            "at least 10 s, at most twice the collective timeout plus 10 s)", None, positive_float, metavar="S"),
-    Option("--profile", "how many randomized cases: smoke (seconds), ci (the default, about a minute), dev (ci's "
-           "cases; under pytest more examples and a failure database), thorough (about 13x ci)", DEFAULT_PROFILE,
+    Option("--profile", "how many randomized cases: smoke (seconds), ci (the default: half a minute on an idle 2-core "
+           "machine, minutes on a loaded one), dev (ci's cases; under pytest more examples and a failure "
+           "database), thorough (about 10x ci)", DEFAULT_PROFILE,
            choices=tuple(sorted(PROFILES))),
     Option("--seed", "seed of the randomized cases", 0, seed_value),
     Option("--known", "TOML file of known findings (docs/known-findings.md): reported apart, they do not "
@@ -150,7 +153,7 @@ class RunConfig:
     target: str = DEFAULT_TARGET
     tp: list[int] = field(default_factory=lambda: [1, 2, 4])
     device: str = "cpu"
-    collective_timeout_s: float = 20.0
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     pools: dict | None = None
     known: str | None = None  # the --known file
     case_timeout_s: float | None = None

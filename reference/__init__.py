@@ -1,4 +1,4 @@
-"""Float64 reference oracle for fused tensor-parallel log-prob/entropy routines (CONTRACT.md)."""
+"""Float64 reference oracle for fused tensor-parallel log-prob/entropy routines (docs/contract.md)."""
 
 from .kernel import effective_keep_mask, entropy, log_probs, logits_grad
 from .linear import linear_entropy, linear_grads, linear_log_probs, linear_logits

@@ -1,4 +1,4 @@
-"""Context-parallel layouts of a packed batch (CONTRACT.md, "Context parallelism"): pure index math.
+"""Context-parallel layouts of a packed batch (docs/contract.md, "Context parallelism"): pure index math.
 
 With CP size c > 1 a rank holds some rows of the packed sequence, not all of them:
 - **zigzag** (ring attention): each sample of length L is cut into 2c chunks of ceil(L / 2c) rows

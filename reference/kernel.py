@@ -1,4 +1,4 @@
-"""Float64 oracle for the level-1 kernel (CONTRACT.md, "Level 1"), over the full vocab.
+"""Float64 oracle for the level-1 kernel (docs/contract.md, "Level 1"), over the full vocab.
 
 Everything is computed on a float64 copy of the inputs, so the oracle is exact to ~1e-15
 relative and can judge float32 kernels. Inputs are never written to.

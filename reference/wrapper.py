@@ -1,4 +1,4 @@
-"""Float64 oracle for the level-2 loss-side wrapper `get_log_probs_and_entropy` (CONTRACT.md).
+"""Float64 oracle for the level-2 loss-side wrapper `get_log_probs_and_entropy` (docs/contract.md).
 
 Works on the full, unsharded `[T, V]` logits of a packed batch (no batch dim). The chunk size in
 `args` is a memory knob only, so it does not appear here.

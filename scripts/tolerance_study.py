@@ -5,7 +5,7 @@ to the float64 oracle; for every (variant, regime, V) the worst |err| / bound is
 <= 1 for correct variants, >= 10 for the defects), next to the same ratio under the current scalar
 policy K*u*(max|x| + ln V).
 
-    python scripts/tolerance_study.py [--quick] > docs/tolerance_study.txt    (about 16 minutes; --quick: 1)
+    python scripts/tolerance_study.py [--quick] > docs/tolerance_study.txt    (about 16 minutes on an idle 2-core machine; --quick: 1)
 """
 from __future__ import annotations
 
@@ -272,7 +272,6 @@ def rows_for(V, quick):
 
 
 def oracle(x64, tokens, keep):
-    sys.path.insert(0, "/work/wt-tol")
     import reference
     return (reference.log_probs(x64, tokens, keep), reference.entropy(x64))
 

@@ -129,7 +129,7 @@ def test_raising_rank_is_reported_and_pool_keeps_working(tp2):
 
 
 def test_extra_all_reduce_on_rank0_is_a_collectives_finding(harness_pools):
-    """Issue 3: rank 0 issues one extra all-reduce in one configuration (odd-sized chunks)."""
+    """Rank 0 issues one extra all-reduce in one configuration (odd-sized chunks)."""
     runner = Runner("mutant:rank-divergent-collective", collective_timeout_s=5, pools=harness_pools)
     start = time.monotonic()
     _, findings = runner.check(KernelCase(tp=2, T=3, v_local=4, with_entropy=True, seed=1))

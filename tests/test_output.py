@@ -33,8 +33,12 @@ def test_each_check_prints_its_shrunk_finding_first_and_folds_the_rest():
     assert blocks[0].startswith("\nFINDING [values] (kernel) shrunk, start from this one: kernel:tp=2,T=1,")
     assert blocks[1].startswith("  and 2 more [values] finding(s) on other cases (in full in out.json):")
     assert "kernel:tp=2,T=9," in blocks[1] and "kernel:tp=2,T=7," in blocks[1] and "message" not in blocks[1]
-    assert blocks[2].startswith("\nFINDING [gradients] (kernel) shrunk, start from this one: kernel:tp=2,T=1,")
+    assert blocks[2].startswith("\nFINDING [gradients] (kernel) shrunk: kernel:tp=2,T=1,")  # one start per run
     assert blocks[3].startswith("  and 1 more [gradients]")
+    assert sum("start from this one" in b for b in blocks) == 1
+    late = finding_blocks([_finding("finite", 3), _finding("values", 1, shrunk=True)])
+    assert late[0].startswith("\nFINDING [values] (kernel) shrunk, start from this one:")  # shrunk first
+    assert late[1].startswith("\nFINDING [finite] (kernel) kernel:tp=2,T=3,")
     unshrunk = finding_blocks([_finding("values", 5)])  # --no-shrink: no label, nothing folded
     assert unshrunk == ["\nFINDING [values] (kernel) kernel:tp=2,T=5,v_local=4\n  values message\n  repro: repro line"]
 

@@ -125,6 +125,22 @@ def test_markdown_shows_summary_findings_and_repros():
     assert "Not measured" in md
 
 
+def test_findings_read_like_the_console_shrunk_first_and_one_start():
+    result = synthetic_result()
+    corpus = {**result["findings"][0], "case": "kernel:tp=4,T=40,v_local=5,dtype=bf16,seed=9", "shrunk": False}
+    second = {**result["findings"][0], "check": "gradients", "level": "kernel"}
+    result["findings"] = [result["findings"][1], corpus, *result["findings"], second]  # the corpus's first
+    md = report.render_markdown(result)
+    heads = [line for line in md.splitlines() if line.startswith("**`")]
+    assert heads[0].startswith("**`values`** (kernel, shrunk, start from this one)")
+    assert heads[1].startswith("**`values`** (kernel)") and heads[2].startswith("**`gradients`** (kernel, shrunk)")
+    assert heads[3].startswith("**`collectives`** (wrapper, failed ranks 1)")
+    assert md.count("start from this one") == 1
+    page = html.unescape(report.render_html(result))
+    assert page.count("start from this one") == 1
+    assert page.index("start from this one") < page.index(corpus["case"]) < page.index("failed ranks 1")
+
+
 def test_results_without_margins_by_group_still_render():
     result = synthetic_result()
     for per_level in result["checks"].values():

@@ -1,4 +1,4 @@
-"""Cases real trainers make (issue 24): a frozen LM head or trunk, two calls on different inputs in
+"""Cases real trainers make: a frozen LM head or trunk, two calls on different inputs in
 one graph, deep accumulation over many row chunks, and the memory allowance every memory check
 reads. One rank in-process (TP 1, no process group), as tests/test_callers.py runs them; the
 mutants' kills at TP 1, 2, 4 are in the last test."""
@@ -139,7 +139,7 @@ def test_allowance_is_one_source():
 
 
 def test_wrapper_copy_of_transposed_logits_is_not_a_finding():
-    """Issue 24's false finding, from the corpus: a wrapper that makes transposed logits contiguous."""
+    """A false finding the harness must not make, from the corpus: a wrapper that makes transposed logits contiguous."""
     entry = next(e for e in CORPUS if e.name == "wrapper-transposed-contiguous-copy")
     ev = _evidence(entry.case, "tests.targets.contiguous_wrapper")
     chk = all_checks()["memory-chunk-passthrough"]

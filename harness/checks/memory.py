@@ -169,7 +169,7 @@ def nucleus_entries(c: WrapperCase) -> int:
 def allowance(c: Any, meter: str) -> int:
     """Bytes a correct routine may spend on `meter` beyond its budget and the O(T) slack: the one
     source every memory check reads (memory-budget, memory-chunk-passthrough, memory-linear-retained
-    and the report's table), so no two of them disagree about the same tensor (issue 24).
+    and the report's table), so no two of them disagree about the same tensor.
 
     Kernel and wrapper: non-contiguous logits may be copied to a contiguous float32 buffer, which
     the kernel may save (one T*V_local*4 unit); a wrapper's temperature divides out of place (a

@@ -51,7 +51,8 @@ def _detached(t: Any) -> Any:
 
 def metered(target: Target) -> bool:
     """Whether the memory meter may run around the target's calls: not around a compiled routine,
-    whose compilation a Python dispatch mode turns off or breaks. For a compiled routine the worker
+    which the meter would run eagerly (compiled code allocates past the dispatcher, where no ledger
+    sees it). For a compiled routine the worker
     also lifts Dynamo's recompile limits: a pool process sees every dtype, grad mode and size
     specialisation of a whole run, where a training process sees a few, and with fullgraph=True
     hitting the limit raises, a failure of the harness's process reuse, not of the routine."""

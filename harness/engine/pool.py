@@ -52,8 +52,8 @@ from harness.meters import memory
 from harness.errors import PoolStartError
 from harness.meters.trace import fmt_event
 from harness.observations import HANG_KINDS, RankResult
+from harness.options import COLLECTIVE_TIMEOUT_S
 
-DEFAULT_COLLECTIVE_TIMEOUT_S = 20.0
 STARTUP_TIMEOUT_S = 120.0
 RAISED_GRACE_S = 2.0
 # Stuck detection: a rank blocked in a collective while its peers have returned is stuck once
@@ -162,7 +162,7 @@ def _worker_main(rank: int, world: int, store_dir: str, conn: Connection, backen
 
 
 class WorkerPool:
-    def __init__(self, tp: int, device: str = "cpu", collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    def __init__(self, tp: int, device: str = "cpu", collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
                  dp: int = 1, case_timeout_s: float | None = None, cp: int = 1):
         """`dp`: data-parallel replicas, each `cp` context-parallel ranks of TP groups of `tp` ranks
         (world = tp x cp x dp).

@@ -20,7 +20,7 @@ from harness.errors import LaunchError, TargetError
 from harness.findings import Finding, repro_command
 from harness.known import KnownFindings, load as load_known
 from harness.observations import RankResult
-from harness.options import RunConfig
+from harness.options import COLLECTIVE_TIMEOUT_S, RunConfig
 from harness.targets import Target, load_target, repro_env
 
 CACHE_SIZE = 4096
@@ -85,7 +85,7 @@ class Runner:
     """Owns the persistent pools of one target (one per TP, CP and DP size, and a second one of a
     size where a case and its twin run together); reusable for any number of cases."""
 
-    def __init__(self, target_spec: str, device: str = "cpu", collective_timeout_s: float = 20.0,
+    def __init__(self, target_spec: str, device: str = "cpu", collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
                  checks: dict[str, Check] | None = None, pools: dict[Any, WorkerPool] | None = None,
                  case_timeout_s: float | None = None, bitwise: bool = False):
         """`pools`: pools to share with other runners (a test session's); None: own ones, closed by `close`.

@@ -9,6 +9,8 @@ import math
 import re
 from typing import Any
 
+from harness.findings import reading_order
+
 LEVELS = ("kernel", "wrapper", "linear")
 NEAR = 0.5  # error/tolerance above this is close enough to the line to be worth a look
 SHOWN_LINES = 4  # lines of a finding's message shown before "full message"
@@ -91,11 +93,15 @@ def margins(result: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
 
 
 def findings(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each finding with its first lines (torch.testing's: what, how many, how far off) up front."""
+    """Each finding with its first lines (torch.testing's: what, how many, how far off) up front, in
+    the console's order (`reading_order`: the shrunk finding to start from first), each with its
+    `role` there."""
     out = []
-    for f in result["findings"]:
+    found = result["findings"]
+    for i, role in reading_order([(f["check"], bool(f.get("shrunk"))) for f in found]):
+        f = found[i]
         lines = [line for line in f["message"].strip().splitlines() if line.strip()] or [""]
-        out.append({**f, "headline": lines[0], "lead": lines[:SHOWN_LINES],
+        out.append({**f, "role": role, "headline": lines[0], "lead": lines[:SHOWN_LINES],
                     "more": len(lines) > SHOWN_LINES or any(len(line) > 300 for line in lines)})
     return out
 

@@ -14,9 +14,9 @@ namespace by name. A module provides the kernel, the wrapper, the fused-linear r
   takes no top-p replay, no context parallelism or no all-gather CP layout (cases needing
   it are fitted to what it does, and the summary says so: `cases.capabilities`); that runs only on
   CUDA (`"cpu": False`: a CPU run refuses it with that reason, a pytest session skips it); that is
-  compiled with torch.compile (`"eager": False`: the memory meter's Python dispatch mode would turn
-  the compilation off or make it raise, so the meter stays off and the memory checks say "not
-  applied"); or that is not tensor-parallel, so its adapter gathers the shards at TP > 1
+  compiled with torch.compile (`"eager": False`: the memory meter runs a metered routine's compiled
+  parts eagerly, and compiled code allocates past the dispatcher where no ledger sees it, so the
+  meter stays off and the memory checks say "not applied"); or that is not tensor-parallel, so its adapter gathers the shards at TP > 1
   (`"tensor_parallel": False`: the memory checks say "not applied" there: the gather's cost is the
   adapter's);
 - `HARNESS_MEMORY_BUDGET`: dict of retained/peak budgets as multiples of `T * V_local * 4` bytes.

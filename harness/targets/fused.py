@@ -1,6 +1,6 @@
 """Built-in fused vocab-parallel log-prob / entropy routine (the harness's reference target).
 
-Written from ``CONTRACT.md`` (Level 1 kernel, Level 2 wrapper; the fused-linear level is
+Written from ``docs/contract.md`` (Level 1 kernel, Level 2 wrapper; the fused-linear level is
 ``FusedLinearLogProbEntropy`` at the end, its steps in ``fused_linear.py``).  The algorithm lives in
 :class:`FusedLogProbEntropy` and is split into small *step* methods, one concern each, so that a
 mutation catalog can build a defective variant by subclassing and overriding exactly one step.

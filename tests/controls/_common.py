@@ -1,14 +1,50 @@
-"""Plumbing shared by the controls (group resolution, row chunks, argument normalisation).
+"""Plumbing shared by the controls: the Level 1 entry point, group resolution, row chunks.
 
 Only bookkeeping lives here; every numerical step is in the control's own module so that the
-controls stay algorithmically independent of each other.
+controls stay algorithmically independent of each other. `kernel_entry(algorithm)` is the contract's
+Level 1 function around a control's algorithm: it normalises the arguments, resolves the group and
+applies the contract's gradient rule once, so a control is only `algorithm(logits, call)`.
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+Result = tuple[torch.Tensor, Optional[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One Level 1 call, normalised: what a control's algorithm reads besides the logits."""
+
+    tokens: torch.Tensor  # int64 [T], global vocab ids
+    keep: Optional[torch.Tensor]  # bool [T, V_local], or None
+    group: object  # the TP group (None on a single rank)
+    world: int
+    start: int  # the first global vocab id of this rank's shard
+    chunks: list[tuple[int, int]]  # [s, e) row ranges
+    with_entropy: bool
+    needs: bool  # the log-prob is differentiable
+    ent_grad: bool  # the entropy is differentiable (the contract's rule)
+
+
+def kernel_entry(algorithm: Callable[[torch.Tensor, Call], Result]) -> Callable[..., Result]:
+    """`calculate_log_probs_and_entropy` with the contract's signature, computing with `algorithm`
+    (a plain function or an autograd Function's `apply`)."""
+    def calculate_log_probs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, tp_group,
+                                        with_entropy: bool = False, chunk_size: int = -1,
+                                        log_prob_keep_mask: Optional[torch.Tensor] = None,
+                                        with_entropy_grad: bool = True) -> Result:
+        tokens, keep = normalise(logits, tokens, log_prob_keep_mask)
+        group, world, rank = group_info(tp_group)
+        needs, ent_grad = grad_mode(logits, with_entropy, with_entropy_grad)
+        return algorithm(logits, Call(tokens, keep, group, world, rank * logits.shape[-1],
+                                      row_chunks(logits.shape[0], chunk_size), bool(with_entropy), needs,
+                                      ent_grad))
+    return calculate_log_probs_and_entropy
 
 
 def group_info(tp_group) -> tuple[object, int, int]:

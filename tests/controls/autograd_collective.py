@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from tests.controls._common import effective_keep, grad_mode, group_info, normalise, row_chunks
+from tests.controls._common import Call, effective_keep, kernel_entry
 from tests.controls._wrapper import make_wrapper
 
 NEG_INF = float("-inf")
@@ -64,19 +64,15 @@ def _entropy(x: torch.Tensor, lse: torch.Tensor, group, world: int) -> torch.Ten
     return -_SumOverRanks.apply((p * safe).sum(-1), group, world)
 
 
-def calculate_log_probs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, tp_group,
-                                    with_entropy: bool = False, chunk_size: int = -1,
-                                    log_prob_keep_mask: Optional[torch.Tensor] = None,
-                                    with_entropy_grad: bool = True):
-    tokens, keep = normalise(logits, tokens, log_prob_keep_mask)
-    group, world, rank = group_info(tp_group)
-    _needs, ent_grad = grad_mode(logits, with_entropy, with_entropy_grad)
+def _through_autograd(logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    tokens, keep, group, world, start = call.tokens, call.keep, call.group, call.world, call.start
+    with_entropy, ent_grad = call.with_entropy, call.ent_grad
     v_local = logits.shape[-1]
     x_all = logits.to(torch.float32)  # may alias a float32 input: out-of-place ops only
     lps, ents = [], []
-    for s, e in row_chunks(logits.shape[0], chunk_size):
+    for s, e in call.chunks:
         x = x_all[s:e]
-        local = tokens[s:e] - rank * v_local
+        local = tokens[s:e] - start
         own = (local >= 0) & (local < v_local)
         xm = None if keep is None else x.masked_fill(~effective_keep(keep[s:e], local, own), NEG_INF)
         both = [x] if xm is None else [x, xm]
@@ -105,4 +101,5 @@ def calculate_log_probs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, 
     return log_prob, entropy
 
 
+calculate_log_probs_and_entropy = kernel_entry(_through_autograd)
 get_log_probs_and_entropy = make_wrapper(calculate_log_probs_and_entropy)

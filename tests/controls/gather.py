@@ -13,14 +13,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from tests.controls._common import effective_keep, grad_mode, group_info, normalise, row_chunks
+from tests.controls._common import Call, effective_keep, kernel_entry
 from tests.controls._wrapper import make_wrapper
 
 
 class _AllGatherCols(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, shard, group, world, rank):
-        ctx.cols = (rank * shard.shape[-1], shard.shape[-1])
+    def forward(ctx, shard, group, world, start):
+        ctx.cols = (start, shard.shape[-1])
         shard = shard.contiguous()
         out = [torch.empty_like(shard) for _ in range(world)]
         dist.all_gather(out, shard, group=group)
@@ -39,22 +39,17 @@ def _entropy(full: torch.Tensor) -> torch.Tensor:
     return -(torch.softmax(full, dim=-1) * safe).sum(-1)
 
 
-def calculate_log_probs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, tp_group,
-                                    with_entropy: bool = False, chunk_size: int = -1,
-                                    log_prob_keep_mask: Optional[torch.Tensor] = None,
-                                    with_entropy_grad: bool = True):
-    tokens, keep = normalise(logits, tokens, log_prob_keep_mask)
-    group, world, rank = group_info(tp_group)
-    _needs, ent_grad = grad_mode(logits, with_entropy, with_entropy_grad)
+def _gathered(logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    tokens, keep, group, world, start = call.tokens, call.keep, call.group, call.world, call.start
+    with_entropy, ent_grad = call.with_entropy, call.ent_grad
     v_local = logits.shape[-1]
-    start = rank * v_local
 
     def full_of(shard: torch.Tensor) -> torch.Tensor:
-        return shard if world == 1 else _AllGatherCols.apply(shard, group, world, rank)
+        return shard if world == 1 else _AllGatherCols.apply(shard, group, world, start)
 
     x_all = logits.to(torch.float32)  # may alias a float32 input: out-of-place ops only
     lps, ents = [], []
-    for s, e in row_chunks(logits.shape[0], chunk_size):
+    for s, e in call.chunks:
         x = x_all[s:e]
         tgt = tokens[s:e]
         local = tgt - start
@@ -79,4 +74,5 @@ def calculate_log_probs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, 
     return log_prob, entropy
 
 
+calculate_log_probs_and_entropy = kernel_entry(_gathered)
 get_log_probs_and_entropy = make_wrapper(calculate_log_probs_and_entropy)

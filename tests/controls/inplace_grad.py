@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from tests.controls._common import effective_keep, grad_mode, group_info, normalise, row_chunks
+from tests.controls._common import Call, effective_keep, kernel_entry
 from tests.controls._wrapper import make_wrapper
 
 NEG_INF = float("-inf")
@@ -38,7 +38,9 @@ def _global_lse(local_lses: torch.Tensor, extra: torch.Tensor, group, world: int
 
 class _InplaceGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, tokens, keep, group, world, start, chunks, with_entropy, needs, ent_grad):
+    def forward(ctx, logits, call: Call):
+        tokens, keep, group, world, start = call.tokens, call.keep, call.group, call.world, call.start
+        chunks, with_entropy, needs, ent_grad = call.chunks, call.with_entropy, call.needs, call.ent_grad
         num_rows, v_local = logits.shape
         q_all = torch.empty(num_rows, v_local, dtype=torch.float32, device=logits.device) if needs else None
         lps, lses, ents = [], [], []
@@ -77,7 +79,7 @@ class _InplaceGrad(torch.autograd.Function):
     def backward(ctx, g_lp: Optional[torch.Tensor], g_ent: Optional[torch.Tensor]):
         start, chunks, needs, ent_grad, masked, dtype = ctx.meta
         if not needs:
-            return (None,) * 10
+            return None, None
         tokens, q_all, *rest = ctx.saved_tensors
         v_local = q_all.shape[-1]
         for s, e in chunks:
@@ -100,18 +102,10 @@ class _InplaceGrad(torch.autograd.Function):
                 q.index_put_((rows, local[rows]), w1[rows], accumulate=True)
             if term is not None:
                 q.sub_(term)
-        return q_all.to(dtype), None, None, None, None, None, None, None, None, None
+        return q_all.to(dtype), None
 
 
-def calculate_log_probs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, tp_group,
-                                    with_entropy: bool = False, chunk_size: int = -1,
-                                    log_prob_keep_mask: Optional[torch.Tensor] = None,
-                                    with_entropy_grad: bool = True):
-    tokens, keep = normalise(logits, tokens, log_prob_keep_mask)
-    group, world, rank = group_info(tp_group)
-    needs, ent_grad = grad_mode(logits, with_entropy, with_entropy_grad)
-    return _InplaceGrad.apply(logits, tokens, keep, group, world, rank * logits.shape[-1],
-                              row_chunks(logits.shape[0], chunk_size), bool(with_entropy), needs, ent_grad)
+calculate_log_probs_and_entropy = kernel_entry(_InplaceGrad.apply)
 
 
 get_log_probs_and_entropy = make_wrapper(calculate_log_probs_and_entropy)

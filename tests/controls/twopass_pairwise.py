@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from tests.controls._common import effective_keep, grad_mode, group_info, normalise, row_chunks
+from tests.controls._common import Call, effective_keep, kernel_entry
 from tests.controls._wrapper import make_wrapper
 
 NEG_INF = float("-inf")
@@ -45,7 +45,9 @@ def _plogp(lsm: torch.Tensor) -> torch.Tensor:
 
 class _TwoPass(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, tokens, keep, group, world, start, chunks, with_entropy, needs, ent_grad):
+    def forward(ctx, logits, call: Call):
+        tokens, keep, group, world, start = call.tokens, call.keep, call.group, call.world, call.start
+        chunks, with_entropy, needs, ent_grad = call.chunks, call.with_entropy, call.needs, call.ent_grad
         num_rows, v_local = logits.shape
         saved = torch.empty(num_rows, v_local, dtype=torch.float32, device=logits.device) if needs else None
         lps, lses, ents = [], [], []
@@ -87,7 +89,7 @@ class _TwoPass(torch.autograd.Function):
     def backward(ctx, g_lp: Optional[torch.Tensor], g_ent: Optional[torch.Tensor]):
         start, chunks, needs, ent_grad, masked = ctx.meta
         if not needs:
-            return (None,) * 10
+            return None, None
         tokens, saved, *rest = ctx.saved_tensors
         grad = torch.empty(saved.shape, dtype=ctx.logits_dtype, device=saved.device)
         v_local = saved.shape[-1]
@@ -108,18 +110,10 @@ class _TwoPass(torch.autograd.Function):
                                    torch.exp(log_p) * (log_p + ent[s:e].unsqueeze(-1)))
                 g = g - g_ent[s:e].to(torch.float32).unsqueeze(-1) * term
             grad[s:e] = g.to(grad.dtype)
-        return grad, None, None, None, None, None, None, None, None, None
+        return grad, None
 
 
-def calculate_log_probs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, tp_group,
-                                    with_entropy: bool = False, chunk_size: int = -1,
-                                    log_prob_keep_mask: Optional[torch.Tensor] = None,
-                                    with_entropy_grad: bool = True):
-    tokens, keep = normalise(logits, tokens, log_prob_keep_mask)
-    group, world, rank = group_info(tp_group)
-    needs, ent_grad = grad_mode(logits, with_entropy, with_entropy_grad)
-    return _TwoPass.apply(logits, tokens, keep, group, world, rank * logits.shape[-1],
-                          row_chunks(logits.shape[0], chunk_size), bool(with_entropy), needs, ent_grad)
+calculate_log_probs_and_entropy = kernel_entry(_TwoPass.apply)
 
 
 get_log_probs_and_entropy = make_wrapper(calculate_log_probs_and_entropy)

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from tests.controls._common import chunk_inputs, grad_mode, group_info, normalise, row_chunks
+from tests.controls._common import Call, chunk_inputs, kernel_entry
 from tests.controls._wrapper import make_wrapper
 
 NEG_INF = float("-inf")
@@ -27,7 +27,9 @@ def _reduce(t: torch.Tensor, op, group, world: int) -> torch.Tensor:
 
 class _Unshifted(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, tokens, keep, group, world, start, chunks, with_entropy, ent_grad):
+    def forward(ctx, logits, call: Call):
+        tokens, keep, group, world, start = call.tokens, call.keep, call.group, call.world, call.start
+        chunks, with_entropy, ent_grad = call.chunks, call.with_entropy, call.ent_grad
         lps, lses, lse_ms, ents = [], [], [], []
         for s, e in chunks:
             x, local, own, xm = chunk_inputs(logits, tokens, keep, s, e, start)
@@ -83,18 +85,10 @@ class _Unshifted(torch.autograd.Function):
                 term = torch.where(p > 0, -p * (log_p + ent), torch.zeros_like(p))
                 g = g + g_ent[s:e].to(torch.float32).unsqueeze(-1) * term
             grad[s:e] = g.to(grad.dtype)
-        return grad, None, None, None, None, None, None, None, None
+        return grad, None
 
 
-def calculate_log_probs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, tp_group,
-                                    with_entropy: bool = False, chunk_size: int = -1,
-                                    log_prob_keep_mask: Optional[torch.Tensor] = None,
-                                    with_entropy_grad: bool = True):
-    tokens, keep = normalise(logits, tokens, log_prob_keep_mask)
-    group, world, rank = group_info(tp_group)
-    _needs, ent_grad = grad_mode(logits, with_entropy, with_entropy_grad)
-    return _Unshifted.apply(logits, tokens, keep, group, world, rank * logits.shape[-1],
-                            row_chunks(logits.shape[0], chunk_size), bool(with_entropy), ent_grad)
+calculate_log_probs_and_entropy = kernel_entry(_Unshifted.apply)
 
 
 get_log_probs_and_entropy = make_wrapper(calculate_log_probs_and_entropy)

@@ -1,7 +1,7 @@
 """A correct routine whose wrapper makes the logits contiguous before its kernel runs, as slime's
 does (`logits.contiguous()`): on transposed logits that is a float32 copy, the wrapper's memory
-allowance (`harness.checks.memory.allowance`). Issue 24's false finding: `memory-chunk-passthrough`
-failed it while `memory-budget` allowed the copy."""
+allowance (`harness.checks.memory.allowance`), which `memory-chunk-passthrough` must grant as
+`memory-budget` does."""
 from __future__ import annotations
 
 from harness.targets.fused import HARNESS_MEMORY_BUDGET, FusedLogProbEntropy

@@ -25,7 +25,7 @@ class Mutant:
     name: str
     defect: str  # the class of defect
     expected: tuple[str, ...]  # the checks meant to kill it
-    history: str  # the CONTRACT.md history it re-creates, or ""
+    history: str  # the docs/contract.md history it re-creates, or ""
     routine: type[FusedLogProbEntropy]
     needs_baseline: bool  # only a comparison with the clean routine's baseline can see it
     tp: tuple[int, ...]  # the TP sizes at which it can be seen

@@ -1,4 +1,4 @@
-"""Context-parallel defects of the wrapper (CONTRACT.md, "Context parallelism") and the TP-rank
+"""Context-parallel defects of the wrapper (docs/contract.md, "Context parallelism") and the TP-rank
 mistake that only a TP group off world rank 0 shows: each class overrides exactly one step."""
 from __future__ import annotations
 

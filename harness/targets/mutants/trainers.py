@@ -1,4 +1,4 @@
-"""Defects in the cases real trainers make (issue 24): a frozen LM head or trunk, two calls on
+"""Defects in the cases real trainers make: a frozen LM head or trunk, two calls on
 different inputs in one graph, and deep accumulation over many row chunks. Each overrides one step
 of the built-in routine; the check that kills it in the `ci` profile is named."""
 from __future__ import annotations
@@ -30,7 +30,7 @@ class _Ctx:
 
 @mutant("saved-beside-ctx", "the target ids backward needs kept in a module-level cache keyed by shape and chunk "
         "size, not on ctx", ("gradients", "wrapper-gradients"),
-        "issue 24: invisible when both calls in a graph see the same inputs (two_calls)")
+        "a trainer's case: invisible when both calls in a graph see the same inputs (two_calls)")
 class SavedBesideCtx(Fused):
     def forward(self, ctx, logits, tokens, keep_mask, tp_group, with_entropy, chunk_size, needs_grad, entropy_grad):
         _BESIDE[("kernel", tuple(logits.shape), chunk_size)] = tokens  # the last call's, whoever calls next
@@ -48,7 +48,7 @@ class SavedBesideCtx(Fused):
 
 @mutant("linear-saved-beside-ctx", "the hidden states backward recomputes from kept in a module-level cache keyed "
         "by shape and chunk size, not on ctx", ("gradients",),
-        "issue 24: two microbatches (or policy and reference rows) in one graph", levels=LINEAR)
+        "a trainer's case: two microbatches (or policy and reference rows) in one graph", levels=LINEAR)
 class LinearSavedBesideCtx(Linear):
     def linear_forward(self, ctx, hidden, weight, tokens, tp_group, with_entropy, chunk_size, needs_grad,
                        entropy_grad):
@@ -65,7 +65,7 @@ class LinearSavedBesideCtx(Linear):
 
 
 @mutant("linear-no-weight-grad-if-hidden-frozen", "no weight gradient when the hidden states require no grad",
-        ("gradients",), "issue 24: a frozen trunk under a trained LM head", levels=LINEAR)
+        ("gradients",), "a trainer's case: a frozen trunk under a trained LM head", levels=LINEAR)
 class NoWeightGradIfHiddenFrozen(Linear):
     def linear_backward(self, ctx, grad_log_prob, grad_entropy):
         grad_hidden, grad_weight = super().linear_backward(ctx, grad_log_prob, grad_entropy)
@@ -73,7 +73,7 @@ class NoWeightGradIfHiddenFrozen(Linear):
 
 
 @mutant("linear-frozen-weight-grad-computed", "the weight gradient computed although the LM head is frozen",
-        ("memory-budget",), "issue 24: LoRA / adapter fine-tuning freezes the LM head", levels=LINEAR)
+        ("memory-budget",), "a trainer's case: LoRA / adapter fine-tuning freezes the LM head", levels=LINEAR)
 class FrozenWeightGradComputed(Linear):
     def linear_backward(self, ctx, grad_log_prob, grad_entropy):
         class AsksForBoth(_Ctx):
@@ -85,7 +85,7 @@ class FrozenWeightGradComputed(Linear):
 
 @mutant("linear-weight-grad-low-precision-sum", "the weight gradient's running sum over row chunks kept in the "
         "inputs' dtype (bf16/fp16), rounded once per chunk", ("gradients",),
-        "verl's FusedLinearForPPO (dvocab_weights += per chunk, in the inputs' dtype); issue 24", levels=LINEAR)
+        "verl's FusedLinearForPPO (dvocab_weights += per chunk, in the inputs' dtype)", levels=LINEAR)
 class WeightGradLowPrecisionSum(Linear):
     def linear_backward(self, ctx, grad_log_prob, grad_entropy):
         self.sum_dtype = ctx.saved_tensors[1].dtype  # the weight's
