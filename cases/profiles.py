@@ -50,9 +50,10 @@ DEFAULT_PROFILE = "ci"
 
 def explore_settings(max_examples: int, shrink: bool) -> "settings":
     """Settings for an exploration: quiet, no database, no deadline or health checks (a case is a
-    distributed run), shrinking optional."""
+    distributed run), shrinking optional. Derived from Hypothesis's defaults, not from whatever
+    profile the session loaded: a user's profile does not change what the harness draws."""
     from hypothesis import HealthCheck, Phase, Verbosity, settings
 
     phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if shrink else [])
-    return settings(max_examples=max_examples, database=None, verbosity=Verbosity.quiet, phases=phases, deadline=None,
+    return settings(settings.get_profile("default"), max_examples=max_examples, derandomize=False, database=None, verbosity=Verbosity.quiet, phases=phases, deadline=None,
                     print_blob=False, report_multiple_bugs=False, suppress_health_check=list(HealthCheck))

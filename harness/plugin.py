@@ -67,6 +67,8 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    for name in NAMES:  # a bad ini value is a usage error at once (cheap: nothing is imported)
+        value(config, name)
     if value(config, "device") == "cuda":  # asked for by name: the check is the user's
         import torch
 
