@@ -10,6 +10,7 @@ of the harness (one that uses `harness_runner` or `harness_pools`).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -137,7 +138,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def harness_pools(request: pytest.FixtureRequest):
     """One persistent pool per TP size for the whole session, shared by every runner."""
     from harness.engine.pool import WorkerPool
+    from harness.meters import ledger_build
 
+    # The memory ledger's first build, where it happens, says so on the terminal (not in a capture).
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    try:
+        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+            ledger_build.compiled()
+    except HarnessError as e:
+        pytest.exit(f"harness: error: {e}", returncode=2)
     pools: dict[int, WorkerPool] = {}
     yield pools
     for pool in pools.values():
