@@ -96,6 +96,7 @@ def test_cli_new_findings_still_fail_beside_known_ones(tmp_path, harness_pools, 
 def test_pytest_known_findings_are_xfails(tmp_path):
     known = _file(tmp_path, COVERS_IT)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CI")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])  # this checkout, wherever the package points
 
     def suite(*extra: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "harness.conformance", "-p", "no:cacheprovider",

@@ -80,7 +80,8 @@ def test_one_broken_all_reduce_fails_readably(outside: Path) -> None:
     assert "FINDING [values] (kernel) shrunk, start from this one: kernel:tp=2,T=1," in run.stdout
     assert "rank 0 log_prob" in run.stdout and "reproduce_failure" not in run.stdout + run.stderr
     # The target came from the current directory: the repro line carries the PYTHONPATH the run used.
-    assert f"repro: PYTHONPATH={outside} python -m harness repro --target my_broken_logprobs kernel:tp=2," in run.stdout
+    assert f"repro: PYTHONPATH={outside}" in run.stdout
+    assert " python -m harness repro --target my_broken_logprobs kernel:tp=2," in run.stdout
     assert "1 failed" in run.stdout
 
 
