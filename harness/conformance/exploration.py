@@ -54,11 +54,13 @@ class Outcome:
 class Session:
     """The explorations of one pytest session, on its runner, each run at first use."""
 
-    def __init__(self, runner: Runner, seed: int, selected: dict[str, set[str]]):
+    def __init__(self, runner: Runner, seed: int, selected: dict[str, set[str]], first_only: bool = False):
         self.runner = runner
         self.seed = seed
-        self.selected = selected  # family id (or "corpus-LEVEL") -> the checks the session selected of it
-        self.limits = RunLimits()  # a hang shrunk once is not hunted again in the next family
+        self.selected = selected  # family id -> the checks the session selected of it
+        # A hang shrunk once is not hunted again in the next family; `first_only` (pytest -x): the
+        # first finding ends every exploration, as `check -x` stops at it.
+        self.limits = RunLimits(1 if first_only else None)
         self._done: dict[str, dict[str, Outcome]] = {}
 
     def family(self, fam: Family) -> dict[str, Outcome]:

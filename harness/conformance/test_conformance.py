@@ -58,7 +58,8 @@ def harness_session(request: pytest.FixtureRequest, harness_runner) -> Session:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if "family" in params:
             selected.setdefault(params["family"].id, set()).add(params["check_name"])
-    return Session(harness_runner, value(request.config, "seed"), selected)
+    return Session(harness_runner, value(request.config, "seed"), selected,
+                   first_only=request.config.getoption("maxfail") == 1)
 
 
 def test_corpus(harness_session: Session, request: pytest.FixtureRequest, corpus_level: str) -> None:
