@@ -4,7 +4,7 @@
 
     pytest benchmarks --benchmark-save=main
     pytest benchmarks --benchmark-compare --benchmark-compare-fail=median:10%
-    pytest benchmarks --target mypkg.logprobs ...        # any target, as for the conformance suite
+    pytest benchmarks --harness-target mypkg.logprobs ...   # any target, as for the conformance suite
 
 TP 1 runs in this process on one thread; TP > 1 is timed from here around one call on every rank
 of the session's worker pool (dispatch to the ranks included, about 0.1 ms), so keep the default

@@ -1,11 +1,16 @@
-"""How much to run. A profile sets the randomized case counts of `harness check` and the Hypothesis
-settings of the pytest suites; `ci` is derandomized and loads whenever the CI variable is set."""
+"""How much to run. A profile sets the randomized case counts of `harness check` and of the
+shipped pytest suite (`harness.conformance`), which explores as `check` does.
+
+Nothing here registers or loads a Hypothesis settings profile: the harness's pytest plugin loads into
+every session where the package is installed, and the user's own Hypothesis profiles are theirs.
+The exploration passes its settings explicitly (`explore_settings`)."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from hypothesis import HealthCheck, Phase, Verbosity, settings
+if TYPE_CHECKING:
+    from hypothesis import settings
 
 
 @dataclass(frozen=True)
@@ -13,7 +18,6 @@ class Profile:
     name: str
     kernel_cases: int  # randomized kernel cases per TP size
     wrapper_cases: int  # randomized wrapper cases per TP size
-    pytest_examples: int  # examples per parametrized pytest id
     # TP sizes (among those asked for) also explored as subgroups of a world of DP = 2 replicas, as
     # in training, where a reduction over the wrong group gives a wrong answer; cases per TP size.
     dp_tp: tuple[int, ...] = ()
@@ -33,39 +37,23 @@ class Profile:
 
 
 PROFILES = {
-    "smoke": Profile("smoke", kernel_cases=12, wrapper_cases=5, pytest_examples=4, linear_cases=4,
+    "smoke": Profile("smoke", kernel_cases=12, wrapper_cases=5, linear_cases=4,
                      cp_wrapper_cases=2),  # CP only when asked for (--cp)
-    "ci": Profile("ci", kernel_cases=150, wrapper_cases=40, pytest_examples=8,
-                  dp_tp=(2,), dp_kernel_cases=24, dp_wrapper_cases=6, linear_cases=30,
-                  cp_sizes=(2,), cp_wrapper_cases=8),
-    "dev": Profile("dev", kernel_cases=150, wrapper_cases=40, pytest_examples=15,
-                   dp_tp=(2,), dp_kernel_cases=24, dp_wrapper_cases=6, linear_cases=30,
-                   cp_sizes=(2,), cp_wrapper_cases=8),
+    "ci": Profile("ci", kernel_cases=150, wrapper_cases=40, dp_tp=(2,), dp_kernel_cases=24, dp_wrapper_cases=6,
+                  linear_cases=30, cp_sizes=(2,), cp_wrapper_cases=8),
     # Sized to finish in under 15 minutes on 2 cores (docs/performance.md has the case counts).
-    "thorough": Profile("thorough", kernel_cases=1200, wrapper_cases=400, pytest_examples=100,
-                        dp_tp=(2, 4), dp_kernel_cases=300, dp_wrapper_cases=80, extra_tp=(3, 8),
-                        extra_tp_share=0.25, linear_cases=300, cp_sizes=(2, 4), cp_wrapper_cases=60),
+    "thorough": Profile("thorough", kernel_cases=1200, wrapper_cases=400, dp_tp=(2, 4), dp_kernel_cases=300,
+                        dp_wrapper_cases=80, extra_tp=(3, 8), extra_tp_share=0.25, linear_cases=300, cp_sizes=(2, 4), cp_wrapper_cases=60),
 }
 DEFAULT_PROFILE = "ci"
 
-_COMMON = dict(deadline=None, print_blob=True, report_multiple_bugs=False,
-               suppress_health_check=list(HealthCheck))
 
-for _p in PROFILES.values():
-    settings.register_profile(
-        _p.name, max_examples=_p.pytest_examples,
-        # CI must not flake or depend on a local example database; dev keeps failures across runs.
-        derandomize=_p.name in ("ci", "smoke"), database=None if _p.name != "dev" else settings.default.database,
-        **_COMMON)
+def explore_settings(max_examples: int, shrink: bool) -> "settings":
+    """Settings for an exploration: quiet, no database, no deadline or health checks (a case is a
+    distributed run), shrinking optional. Derived from Hypothesis's defaults, not from whatever
+    profile the session loaded: a user's profile does not change what the harness draws."""
+    from hypothesis import HealthCheck, Phase, Verbosity, settings
 
-
-def load_for_pytest(name: str | None = None) -> Profile:
-    name = name or ("ci" if os.environ.get("CI") else "dev")
-    settings.load_profile(name)
-    return PROFILES[name]
-
-
-def explore_settings(max_examples: int, shrink: bool) -> settings:
-    """Settings for the CLI's exploration: quiet, no database, shrinking optional."""
     phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if shrink else [])
-    return settings(max_examples=max_examples, database=None, verbosity=Verbosity.quiet, phases=phases, **_COMMON)
+    return settings(settings.get_profile("default"), max_examples=max_examples, derandomize=False, database=None, verbosity=Verbosity.quiet, phases=phases, deadline=None,
+                    print_blob=False, report_multiple_bugs=False, suppress_health_check=list(HealthCheck))

@@ -27,6 +27,7 @@ from harness.engine.limits import RunLimits
 from harness.engine.runner import Runner
 from harness.errors import HarnessError, TargetError, UsageError
 from harness.findings import FOLDED, SHRUNK, START, Finding, reading_order
+from harness.meters import memory
 from harness.options import RunConfig
 from harness.report import render, trend
 
@@ -128,6 +129,7 @@ def result_json(runner: Runner, findings: list[Finding], elapsed: float, extra: 
         "not_checked": runner.target.not_checked, "cases_run": runner.cases_run,
         "elapsed_s": round(elapsed, 3), "case_seconds": round(runner.run_seconds, 3),
         "cases_per_s": round(runner.cases_run / runner.run_seconds, 2) if runner.run_seconds else None,
+        "memory_ledger": memory.ledger_name(),  # "cpp" or "python" (HARNESS_LEDGER)
         "findings": [f.to_json() for f in findings], "checks": checks,
         "bitwise": {config: {n: {"checked": c, "held": h} for n, (c, h) in got.items()}
                     for config, got in sorted(runner.properties.items())} if runner.properties else None,

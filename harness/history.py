@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import options
+from harness import extras, options
 from harness.errors import UsageError
 from harness.report import matrix
 from harness.report.render import environment
@@ -287,6 +287,7 @@ def render_html(h: dict[str, Any]) -> str:
 
 
 def cmd_history(ns: argparse.Namespace, cfg: options.RunConfig) -> int:
+    extras.require("jinja2", "report", "harness history (its report)")  # said before the run, not after it
     git = Git(ns.repo)
     rev = git("rev-parse", f"{ns.rev}^{{commit}}").strip()
     paths = ns.paths or module_paths(git, rev, ns.target)

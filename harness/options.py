@@ -1,9 +1,11 @@
 """The options shared by the CLI and the pytest plugin, defined once, with one set of validators.
 
-`add_argparse(parser, names)` and `add_pytest(group, names)` add the same flags, help and parsing
+`add_argparse(parser, names)` and `add_pytest(parser, names)` add the same flags, help and parsing
 to either front end (pytest's `addoption` is argparse underneath, so `type=` validators serve
-both). What a run needs besides the flags, such as the session's worker pools, travels in a
-`RunConfig`, never in the argparse Namespace.
+both). Under pytest every flag is prefixed `--harness-` and has an ini key `harness_<name>`: the
+plugin loads into every pytest session where the package is installed, and a user's own options
+(`--device`, `--target`, ...) must keep their names. What a run needs besides the flags, such as
+the session's worker pools, travels in a `RunConfig`, never in the argparse Namespace.
 """
 from __future__ import annotations
 
@@ -110,22 +112,21 @@ class Option:
 OPTIONS: dict[str, Option] = {o.dest: o for o in (
     Option("--target", "the routine under test: a module path, a .py file, or mutant:NAME", DEFAULT_TARGET),
     Option("--tp", "TP sizes, e.g. 1,2,4", [1, 2, 4], tp_list),
-    Option("--cp", "context-parallel sizes of the wrapper cases, e.g. 2,4 (default: the profile's for `check`, "
-           "none for pytest; 1: none)", None, cp_list),
+    Option("--cp", "context-parallel sizes of the wrapper cases, e.g. 2,4 (default: the profile's; 1: none)",
+           None, cp_list),
     Option("--device", "cpu: gloo pools, fork; cuda: NCCL pools, spawn", "cpu", choices=("cpu", "cuda")),
     Option("--collective-timeout", "gloo/NCCL timeout of every collective, seconds: the backstop of a "
            "stuck collective (stuck ranks are found sooner, by evidence)", COLLECTIVE_TIMEOUT_S, positive_float, metavar="S"),
     Option("--case-timeout", "deadline of one case, seconds (default: 100 x the pool's median case time, "
            "at least 10 s, at most twice the collective timeout plus 10 s)", None, positive_float, metavar="S"),
     Option("--profile", "how many randomized cases: smoke (seconds), ci (the default: half a minute on an idle 2-core "
-           "machine, minutes on a loaded one), dev (ci's cases; under pytest more examples and a failure "
-           "database), thorough (about 10x ci)", DEFAULT_PROFILE,
+           "machine, minutes on a loaded one), thorough (about 10x ci)", DEFAULT_PROFILE,
            choices=tuple(sorted(PROFILES))),
     Option("--seed", "seed of the randomized cases", 0, seed_value),
     Option("--known", "TOML file of known findings (docs/known-findings.md): reported apart, they do not "
            "fail the run; entries that match nothing are reported as stale", None, metavar="FILE"),
-    Option("--strict-known", "with --known: known findings and stale entries fail the run too "
-           "(`--strict` on the CLI)", False, cli_aliases=("--strict",), action="store_true"),
+    Option("--strict-known", "with the known-findings file: known findings and stale entries fail the run "
+           "too (`--strict` on the CLI)", False, cli_aliases=("--strict",), action="store_true"),
     Option("--bitwise", "also run the opt-in bitwise checks (determinism, batch invariance) and "
            "print which hold per configuration", False, action="store_true"),
 )}
@@ -139,11 +140,58 @@ def add_argparse(parser: argparse.ArgumentParser | Any, names: tuple[str, ...], 
         parser.add_argument(*opt.cli_aliases, opt.flag, **opt.kwargs(defaults.get(name, opt.default)))
 
 
-def add_pytest(group: Any, names: tuple[str, ...], **defaults: Any) -> None:
-    """The same, for a pytest option group (`parser.getgroup(...)`)."""
+PYTEST_PREFIX = "harness"
+
+
+def pytest_flag(name: str) -> str:
+    """The pytest route's flag of a shared option: `--harness-tp` for the CLI's `--tp`."""
+    return f"--{PYTEST_PREFIX}-{OPTIONS[name].flag.lstrip('-')}"
+
+
+def pytest_dest(name: str) -> str:
+    """Its dest and ini key: `harness_tp`."""
+    return f"{PYTEST_PREFIX}_{name}"
+
+
+def add_pytest(parser: Any, names: tuple[str, ...]) -> None:
+    """The same options for pytest (`parser` is pytest's): each as `--harness-NAME` in a group of
+    its own and as the ini key `harness_NAME`. Their defaults are None here: `pytest_value` falls
+    back on the ini key, then on the option's default."""
+    group = parser.getgroup(PYTEST_PREFIX, "logprob-harness (the shipped suite: pytest --pyargs harness.conformance)")
     for name in names:
         opt = OPTIONS[name]
-        group.addoption(opt.flag, **opt.kwargs(defaults.get(name, opt.default)))
+        kw = opt.kwargs(None)
+        kw["dest"] = pytest_dest(name)
+        group.addoption(pytest_flag(name), **kw)
+        parser.addini(pytest_dest(name), f"{opt.help} (as {pytest_flag(name)})",
+                      type="bool" if opt.action == "store_true" else "string", default=None)
+
+
+def pytest_value(config: Any, name: str) -> Any:
+    """An option of the pytest route: the command line's, else the ini key's (parsed by the same
+    validator), else the option's default. A bad ini value is a usage error naming the key."""
+    opt = OPTIONS[name]
+    got = config.getoption(pytest_dest(name))
+    if got is not None:
+        return got
+    ini = config.getini(pytest_dest(name))
+    if ini in (None, ""):
+        return opt.default
+    if opt.action == "store_true":
+        return bool(ini)
+    if opt.choices is not None and ini not in opt.choices:
+        raise UsageError(f"ini {pytest_dest(name)} = {ini!r}: one of {', '.join(opt.choices)}")
+    try:
+        return opt.parse(ini) if opt.parse is not None else ini
+    except UsageError as e:
+        raise UsageError(f"ini {pytest_dest(name)}: {e}") from None
+
+
+def pytest_asked(config: Any, names: tuple[str, ...]) -> bool:
+    """Whether the session asks for the harness by option or ini key (a launched world, which
+    every rank would otherwise serve, is taken over only then)."""
+    return any(config.getoption(pytest_dest(n)) not in (None, False) or config.getini(pytest_dest(n)) not in (None, "")
+               for n in names)
 
 
 @dataclass

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import options
+from harness import extras, options
 from harness.report import matrix
 from harness.targets.peers import Peer, peers
 
@@ -76,6 +76,7 @@ def _run_peer(peer: Peer, ns: argparse.Namespace, workdir: Path) -> dict[str, An
 
 
 def cmd_peers(ns: argparse.Namespace, cfg: options.RunConfig) -> int:
+    extras.require("jinja2", "report", "harness peers (its report)")  # said before the run, not after it
     found = peers()
     if ns.list:
         for peer in found:

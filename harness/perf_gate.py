@@ -37,7 +37,7 @@ from harness.engine.runner import Runner
 from harness.errors import InstructionCountError, TargetError, UsageError
 from harness.findings import Finding
 from harness.meters import timing
-from harness.meters.memory import figures_of
+from harness.meters.memory import figures_of, ledger_name
 from harness.observations import RankResult
 from harness.targets import Target, load_target
 
@@ -194,6 +194,7 @@ def record(runner: Runner, cases: list[KernelCase], say: Callable[[str], None] =
             entry["instruction_repeats"] = got["repeats"]
     return {"format": FORMAT, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "target": target.spec, "code": code_fingerprint(target), "device": runner.device,
+            "memory_ledger": ledger_name(),
             "clock": _clock(runner.device), "environment": counted.get("environment"), "cases": entries}
 
 
@@ -313,6 +314,11 @@ def compare(runner: Runner, base: dict[str, Any], threshold: float = DEFAULT_THR
         return cmp
     if base.get("clock") != clock:
         cmp.notes.append(f"the baseline was timed with {base.get('clock')}, this run with {clock}.")
+    ledger, base_ledger = ledger_name(), base.get("memory_ledger")
+    memory_comparable = base_ledger in (None, ledger)  # a baseline that names none: compared as before
+    if not memory_comparable:
+        cmp.notes.append(f"memory: not compared, the baseline was measured by the {base_ledger} ledger and this run "
+                         f"by the {ledger} one (their figures may differ; HARNESS_LEDGER={base_ledger} compares).")
     entries = [(parse_case(e["case"]), e) for e in base["cases"]]
     counted = _instructions(runner.target.spec, [c for c, e in entries if "instructions" in e], runner.device, say)
     same_env = counted.get("environment") == base.get("environment")
@@ -342,7 +348,8 @@ def compare(runner: Runner, base: dict[str, Any], threshold: float = DEFAULT_THR
             _compare_instructions(cmp, case, old["instructions"], counted["cases"][case.spec()]["instructions"],
                                   threshold, judged=same_env)
         _compare_collectives(cmp, case, old["collectives"], new["collectives"])
-        _compare_memory(cmp, case, old["memory"], new["memory"])
+        if memory_comparable:
+            _compare_memory(cmp, case, old["memory"], new["memory"])
     return cmp
 
 

@@ -1,45 +1,59 @@
-"""pytest plugin (entry point `pytest11`): target options, markers, and session-scoped worker pools.
+"""pytest plugin (entry point `pytest11`): the `--harness-*` options and ini keys, and the session's
+worker pools and runner as fixtures.
 
-`pytest --pyargs harness.conformance --target MODULE` runs the shipped suite against MODULE.
+It loads into every pytest session wherever the package is installed, so it stays inert until a
+session asks for it: its options are all prefixed, and it imports nothing heavy (no torch, no
+target), prints no header and touches no Hypothesis settings unless the session collects a test
+of the harness (one that uses `harness_runner` or `harness_pools`).
+
+`pytest --pyargs harness.conformance --harness-target MODULE` runs the shipped suite against MODULE.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+
 import pytest
 
-from cases.profiles import load_for_pytest
 from harness import options
 from harness.errors import HarnessError
-from harness.options import RunConfig
 
-MARKERS = {
-    "gpu": "needs CUDA; skipped cleanly without it",
-    "distributed": "runs on the TP worker pools",
-    "perf": "performance measurement or gate",
-    "slow": "long-running; deselect with -m 'not slow'",
-}
+# The CLI's options, flags and validators, as `--harness-NAME` and ini `harness_NAME`.
+NAMES = ("target", "tp", "cp", "device", "collective_timeout", "case_timeout", "profile", "seed", "known",
+         "strict_known", "bitwise")
+FIXTURES = ("harness_runner", "harness_pools")
+LAUNCH_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK")  # as `torchrun.active` reads them (no torch import here)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    # The CLI's options, flags and validators; the profile defaults to the environment's (ci under
-    # $CI, else dev) and the seed to Hypothesis's derandomized one.
-    options.add_pytest(parser.getgroup("logprob-harness"),
-                       ("target", "tp", "cp", "device", "collective_timeout", "case_timeout", "profile", "seed", "known",
-                        "strict_known", "bitwise"),
-                       profile=None, seed=None)
+    options.add_pytest(parser, NAMES)
 
 
-def run_config(config: pytest.Config, pools: dict | None = None) -> RunConfig:
-    return RunConfig.from_options(lambda name: config.getoption(name), pools)
+def value(config: pytest.Config, name: str):
+    """The session's value of a harness option (command line, else ini key, else default)."""
+    try:
+        return options.pytest_value(config, name)
+    except HarnessError as e:
+        raise pytest.UsageError(f"harness: error: {e}") from None
+
+
+def run_config(config: pytest.Config, pools: dict | None = None) -> options.RunConfig:
+    return options.RunConfig.from_options(lambda name: value(config, name), pools)
+
+
+def uses_harness(item: pytest.Item) -> bool:
+    return any(f in getattr(item, "fixturenames", ()) for f in FIXTURES)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> int | None:
-    """Under torchrun: rank 0 runs the session, its pools are the launched ranks; the other ranks
-    only serve rank 0's jobs (no collection, no output) and exit with its exit code."""
+    """Under torchrun, when the session asks for the harness: rank 0 runs the session, its pools
+    are the launched ranks; the other ranks only serve rank 0's jobs (no collection, no output)
+    and exit with its exit code. A launched session of the user's own tests is left alone."""
+    if not all(k in os.environ for k in LAUNCH_ENV) or not options.pytest_asked(config, NAMES):
+        return None
     from harness.engine import torchrun
 
-    if not torchrun.active():
-        return None
     cfg = run_config(config)
     try:
         world = torchrun.start(cfg.tp, cfg.device, cfg.collective_timeout_s)
@@ -53,10 +67,54 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
     return None
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    for name in NAMES:  # a bad ini value is a usage error at once (cheap: nothing is imported)
+        value(config, name)
+    if value(config, "device") == "cuda":  # asked for by name: the check is the user's
+        import torch
+
+        if not torch.cuda.is_available():
+            raise pytest.UsageError("--harness-device cuda, but CUDA is not available (leave it out: CPU pools)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A CUDA-only target on a CPU runner: the harness's tests skip, saying why."""
+    if not any(uses_harness(item) for item in items):
+        return
+    from harness.targets import load_target
+
+    try:
+        unavailable = load_target(value(config, "target")).unavailable(value(config, "device"))
+    except HarnessError:
+        unavailable = None  # the runner fixture reports it
+    if unavailable:
+        for item in items:
+            if uses_harness(item):
+                item.add_marker(pytest.mark.skip(reason=unavailable))
+
+
+def pytest_report_collectionfinish(config: pytest.Config, items: list[pytest.Item]) -> list[str] | None:
+    """What is checked, and what the target does not provide (its cases are not drawn): said only
+    when the session collected a test of the harness."""
+    if not any(uses_harness(item) for item in items):
+        return None
+    from harness.targets import load_target
+
+    try:
+        target = load_target(value(config, "target"))
+    except HarnessError:
+        return None  # collection reports it, as an error (exit 2)
+    lines = [f"harness: target {target.spec}, levels {', '.join(target.levels)}, TP {value(config, 'tp')}, "
+             f"profile {value(config, 'profile')}, seed {value(config, 'seed')}"]
+    lines += [f"harness: target provides no {feature}: cases needing it are not drawn"
+              for feature, ok in sorted(target.capabilities.items()) if not ok]
+    return lines
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     runner = getattr(session.config, "harness_known_runner", None)
-    if runner is not None and session.config.getoption("strict_known") and runner.known.stale and exitstatus == 0:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED  # --strict: a stale known entry fails the run
+    if runner is not None and value(session.config, "strict_known") and runner.known.stale and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED  # strict: a stale known entry fails the run
     session.config.harness_exitstatus = int(session.exitstatus)
 
 
@@ -76,61 +134,19 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         world.stop(getattr(config, "harness_exitstatus", pytest.ExitCode.INTERNAL_ERROR))
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    for name, doc in MARKERS.items():
-        config.addinivalue_line("markers", f"{name}: {doc}")
-    config.harness_profile = load_for_pytest(config.getoption("--profile"))
-    config.harness_tp = list(config.getoption("tp"))
-    config.harness_cp = [cp for cp in (config.getoption("cp") or []) if cp > 1]
-    if config.getoption("--device") == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise pytest.UsageError("--device cuda, but CUDA is not available (leave --device out: gpu tests skip)")
-
-
-def pytest_report_header(config: pytest.Config) -> list[str] | None:
-    """Say what is checked, and what the target does not provide (its cases are not drawn)."""
-    from harness.targets import load_target
-
-    try:
-        target = load_target(config.getoption("--target"))
-    except HarnessError:
-        return None  # collection reports it, as an error (exit 2)
-    lines = [f"harness: target {target.spec}, levels {', '.join(target.levels)}, TP {config.harness_tp}, "
-             f"profile {config.harness_profile.name}"]
-    lines += [f"harness: target provides no {feature}: cases needing it are not drawn"
-              for feature, ok in sorted(target.capabilities.items()) if not ok]
-    return lines
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    from harness.targets import load_target
-
-    try:
-        unavailable = load_target(config.getoption("--target")).unavailable(config.getoption("--device"))
-    except HarnessError:
-        unavailable = None  # the runner fixture reports it
-    if unavailable:  # a CUDA-only target on a CPU runner: its tests skip, saying why
-        for item in items:
-            if "harness_runner" in getattr(item, "fixturenames", ()):
-                item.add_marker(pytest.mark.skip(reason=unavailable))
-    if config.getoption("--device") == "cuda":
-        return
-    import torch
-
-    if not torch.cuda.is_available():
-        skip = pytest.mark.skip(reason="CUDA is not available")
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(skip)
-
-
 @pytest.fixture(scope="session")
 def harness_pools(request: pytest.FixtureRequest):
     """One persistent pool per TP size for the whole session, shared by every runner."""
     from harness.engine.pool import WorkerPool
+    from harness.meters import ledger_build
 
+    # The memory ledger's first build, where it happens, says so on the terminal (not in a capture).
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    try:
+        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+            ledger_build.compiled()
+    except HarnessError as e:
+        pytest.exit(f"harness: error: {e}", returncode=2)
     pools: dict[int, WorkerPool] = {}
     yield pools
     for pool in pools.values():
@@ -139,7 +155,7 @@ def harness_pools(request: pytest.FixtureRequest):
 
 @pytest.fixture(scope="session")
 def harness_runner(request: pytest.FixtureRequest, harness_pools):
-    """The runner for --target on the session's pools."""
+    """The runner for the session's target on the session's pools."""
     from harness.engine.runner import Runner
 
     try:

@@ -12,7 +12,7 @@ PACKAGE = ROOT / "harness"
 # Low to high. A module may import its own layer or a lower one. The engine has a rank side (what
 # runs in the workers) below the checks, and a driver side (runner, explorer) above them.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("harness.errors", "harness.meters"),
+    ("harness.errors", "harness.extras", "harness.meters"),
     ("harness.observations", "harness.targets"),
     ("harness.targets.mutants", "harness.options"),
     ("harness.engine.calls", "harness.engine.executor", "harness.engine.progress", "harness.engine.stacks",

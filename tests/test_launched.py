@@ -52,8 +52,8 @@ def test_cli_check_on_two_launched_ranks() -> None:
 @pytest.mark.slow
 def test_pytest_route_on_two_launched_ranks(tmp_path: Path) -> None:
     """Rank 0 runs the session; rank 1 only serves its jobs, then exits with rank 0's code."""
-    run = _torchrun(2, "-m", "pytest", "--pyargs", "harness.conformance", "-p", "no:cacheprovider", "--tp", "2",
-                    "--profile", "smoke", "-k", "values and kernel and fp32", "-q", cwd=tmp_path)
+    run = _torchrun(2, "-m", "pytest", "--pyargs", "harness.conformance", "-p", "no:cacheprovider", "--harness-tp", "2",
+                    "--harness-profile", "smoke", "-k", "values and kernel", "-q", cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.stdout.count(" passed") == 1
 

@@ -128,6 +128,19 @@ def test_memory_increase_is_flagged(harness_pools, unpaired_baseline):
     assert "peak_backward_bytes" in cmp.findings[0].message
 
 
+def test_baseline_of_the_other_ledger_compares_no_memory(harness_pools, unpaired_baseline):
+    """The ledgers' difference is not a regression: the comparison says so instead of a finding."""
+    assert unpaired_baseline["memory_ledger"] in ("cpp", "python")
+    other = json.loads(json.dumps(unpaired_baseline))
+    other["cases"][0]["memory"]["peak_backward_bytes"] -= 1
+    other["memory_ledger"] = {"cpp": "python", "python": "cpp"}[unpaired_baseline["memory_ledger"]]
+    cmp = baseline.compare(Runner(DEFAULT_TARGET, pools=harness_pools), other)
+    assert not cmp.findings, [f.message for f in cmp.findings]
+    assert any(n.startswith(f"memory: not compared, the baseline was measured by the {other['memory_ledger']} ledger")
+               for n in cmp.notes), cmp.notes
+    assert not any(r["metric"] in ("retained bytes", "peak bytes") for r in cmp.rows)
+
+
 def test_comparison_does_not_depend_on_the_module_name(harness_pools, clean_baseline):
     elsewhere = {**clean_baseline, "target": "some_other_package.logprobs"}
     cmp = baseline.compare(Runner(ALLREDUCE_MUTANT, pools=harness_pools), elsewhere)

@@ -1,5 +1,6 @@
-"""The shipped suite as another repository uses it: `pytest --pyargs harness.conformance --target M`
-from a directory outside this checkout, through the installed `pytest11` entry point.
+"""The shipped suite as another repository uses it: `pytest --pyargs harness.conformance
+--harness-target M` from a directory outside this checkout, through the installed `pytest11` entry
+point; and the plugin inert in every other session there.
 
 These few tests start a pytest (and its pools) of their own: that is what they test, the packaging.
 They keep to `-k` selections and the smoke profile.
@@ -33,13 +34,18 @@ get_log_probs_and_entropy = ROUTINE.get_log_probs_and_entropy
 '''
 
 
-def _suite(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    """`python -m pytest --pyargs harness.conformance ...` in `cwd`, with only `cwd` added to the path."""
+def _pytest(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """`python -m pytest ...` in `cwd`, with only `cwd` added to the path (and this checkout, which the
+    installed package may point elsewhere than)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CI")}
-    env["PYTHONPATH"] = str(cwd)
-    return subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "harness.conformance", "-p", "no:cacheprovider",
-                           "--strict-markers", "--profile", "smoke", *args],
+    env["PYTHONPATH"] = os.pathsep.join((str(cwd), str(REPO)))
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--strict-markers", *args],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _suite(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """The shipped suite at the smoke profile, run from `cwd`."""
+    return _pytest(cwd, "--pyargs", "harness.conformance", "--harness-profile", "smoke", *args, timeout=timeout)
 
 
 @pytest.fixture
@@ -57,28 +63,89 @@ def _documented_example() -> str:
 
 def test_documented_example_passes_with_junit_xml(outside: Path) -> None:
     (outside / "my_logprobs.py").write_text(_documented_example())
-    run = _suite(outside, "--target", "my_logprobs", "-k", "values and tp2 and fp32", "--junitxml", "report.xml")
+    run = _suite(outside, "--harness-target", "my_logprobs", "--harness-tp", "1,2", "-k", "values and kernel-tp2",
+                 "--junitxml", "report.xml")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     suite = ET.parse(outside / "report.xml").getroot().find("testsuite")
     names = {tc.get("name") for tc in suite.iter("testcase")}
-    assert names == {"test_check[values-kernel-tp2-fp32-unmasked]", "test_check[values-kernel-tp2-fp32-masked]"}
+    assert names == {"test_check[values-kernel-tp2]"}
     assert suite.get("failures") == "0" and suite.get("errors") == "0"
 
 
 def test_one_broken_all_reduce_fails_readably(outside: Path) -> None:
     (outside / "my_broken_logprobs.py").write_text(BROKEN)
-    run = _suite(outside, "--target", "my_broken_logprobs", "-k", "values and kernel and tp2 and fp32-unmasked")
+    run = _suite(outside, "--harness-target", "my_broken_logprobs", "--harness-tp", "2", "-k", "values and kernel")
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-2000:]
-    assert "[values] rank 0 log_prob" in run.stdout
+    # The harness's shrunk case and its repro line; not Hypothesis's advice, which an installed suite cannot take.
+    assert "FINDING [values] (kernel) shrunk, start from this one: kernel:tp=2,T=1," in run.stdout
+    assert "rank 0 log_prob" in run.stdout and "reproduce_failure" not in run.stdout + run.stderr
     # The target came from the current directory: the repro line carries the PYTHONPATH the run used.
-    assert f"repro: PYTHONPATH={outside} python -m harness repro --target my_broken_logprobs kernel:tp=2," in run.stdout
+    assert f"repro: PYTHONPATH={outside}" in run.stdout
+    assert " python -m harness repro --target my_broken_logprobs kernel:tp=2," in run.stdout
     assert "1 failed" in run.stdout
 
 
 def test_log_prob_only_target_collects_what_it_can_compute(outside: Path) -> None:
-    run = _suite(outside, "--target", "harness.targets.peers.megatron", "--collect-only")
+    run = _suite(outside, "--harness-target", "harness.targets.peers.megatron", "--collect-only")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "target provides no entropy: cases needing it are not drawn" in run.stdout
-    assert "-masked]" not in run.stdout and "wrapper" not in run.stdout.split("collected")[-1]
-    assert "test_check[values-kernel-tp4-bf16-unmasked]" in run.stdout
+    assert "wrapper" not in run.stdout.split("collected")[-1]
+    assert "test_check[values-kernel-tp4]" in run.stdout and "test_corpus[kernel]" in run.stdout
 
+
+
+USER_CONFTEST = '''\
+from hypothesis import settings
+
+settings.register_profile("ci", max_examples=7)
+settings.load_profile("ci")
+
+
+def pytest_addoption(parser):
+    for name in ("--device", "--target", "--seed", "--profile", "--tp"):
+        parser.addoption(name, default="users")
+'''
+USER_TESTS = '''\
+import sys
+
+from hypothesis import settings
+
+
+def test_own_options(request):
+    assert request.config.getoption("--device") == request.config.getoption("--tp") == "users"
+
+
+def test_no_torch_imported():
+    assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith(("torch", "harness")))
+
+
+def test_own_hypothesis_profile_in_force():
+    assert settings().max_examples == 7
+'''
+
+
+def test_plugin_is_inert_in_a_project_of_its_own(outside: Path) -> None:
+    """A project declaring the options the CLI uses, with a Hypothesis profile named as the docs name
+    theirs, runs its own suite untouched: no clash, no torch import, no header, its profile loaded."""
+    (outside / "conftest.py").write_text(USER_CONFTEST)
+    (outside / "test_own.py").write_text(USER_TESTS)
+    run = _pytest(outside, "-q", timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "3 passed" in run.stdout and "harness:" not in run.stdout
+
+
+def test_ini_keys_choose_the_target_and_checks_decided_before_drawing(outside: Path) -> None:
+    """`harness_target` in the project's ini file is the session's target; a check the target cannot
+    take is skipped before any case is drawn (no pool starts), its reason in the user's words, located
+    at the suite's test, not in pytest's own code."""
+    (outside / "conftest.py").write_text(USER_CONFTEST)
+    (outside / "my_logprobs.py").write_text(_documented_example())
+    (outside / "pytest.ini").write_text("[pytest]\nharness_target = my_logprobs\nharness_tp = 1\n")
+    run = _suite(outside, "-k", "memory-budget and kernel", "-rs", timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "harness: target my_logprobs, levels kernel, TP [1], profile smoke" in run.stdout
+    skipped = [line for line in run.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert skipped and all("test_conformance.py" in line and "no `HARNESS_MEMORY_BUDGET`" in line for line in skipped)
+    assert "_pytest" not in run.stdout
+    bad = _suite(outside, "--collect-only", "-o", "harness_tp=two", timeout=120)
+    assert bad.returncode == 4 and "ini harness_tp: --tp takes comma-separated" in bad.stderr, bad.stderr[-2000:]

@@ -81,6 +81,10 @@ class Evidence:
 
 
 CheckFn = Callable[[Evidence], list[str]]
+# `requires(target, cp) -> why or None`: what a check needs of the target, or of the CP size of a
+# family of cases, to apply to any case at all ("no `HARNESS_MEMORY_BUDGET` declared"): the pytest
+# route decides it before drawing a case and skips with the reason.
+RequiresFn = Callable[[Target, int], "str | None"]
 # `explain(evidence, run) -> sentence`: what more a failing check can say by running other cases
 # (`run(case)` returns their evidence), e.g. which loss term a wrong gradient comes from. It costs
 # runs, so the runner asks it only of the findings a run reports (`Runner.explain`), not of every
@@ -95,7 +99,8 @@ CONTEXT_LIMITS: dict[str, tuple[tuple[str, ...], str]] = {
                                                   "memory cannot be told apart"),
 }
 # What a check may read that a target may not let the harness measure: (capability, which cases,
-# why). A check that would apply but reads one of these says "not applied: why" instead.
+# why). A check that would apply but reads one of these says "not applied: why" instead. "Which
+# cases" reads only a case's TP and CP sizes, so a whole family of cases is decided before drawing.
 TARGET_LIMITS: dict[str, tuple[tuple[str, Callable[[Case], bool], str], ...]] = {
     "memory": (
         ("eager", lambda c: True,
@@ -108,7 +113,8 @@ TARGET_LIMITS: dict[str, tuple[tuple[str, Callable[[Case], bool], str], ...]] = 
     ),
 }
 # What a check may read that a case's shape does not give it: (which cases, why). A check that would
-# apply but reads one of these says "not applied: why" instead.
+# apply but reads one of these says "not applied: why" instead. "Which cases", as above, reads only
+# the TP and CP sizes.
 CASE_LIMITS: dict[str, tuple[Callable[[Case], bool], str]] = {
     "kernel-pass-memory": (lambda c: getattr(c, "cp", 1) > 1,
                            "CP > 1: a rank's wrapper memory is not its kernel's plus O(T) (no kernel backward "
@@ -132,6 +138,23 @@ class Check:
     family: str = "default"
     explain: ExplainFn | None = None
     twin_in_same_process: bool = False
+    requires: RequiresFn | None = None
+
+    def excluded(self, target: Target, tp: int, cp: int = 1) -> str | None:
+        """Why no case of a family (this TP and CP size) can be checked on this target, decided
+        before drawing any: what the check `requires`, and the limits it reads that hold for the
+        whole family; None when some case may apply."""
+        why = self.requires(target, cp) if self.requires is not None else None
+        if why:
+            return why
+        family = _Sizes(tp, cp)
+        for what in self.reads:
+            if what in CASE_LIMITS and CASE_LIMITS[what][0](family):
+                return CASE_LIMITS[what][1]
+            for capability, cases, reason in TARGET_LIMITS.get(what, ()):
+                if not target.supports(capability) and cases(family):
+                    return reason
+        return None
 
     def limit_note(self, case: Case, target: Target) -> str | None:
         """Why the case's call context, or the target, leaves this check nothing to read, or None."""
@@ -160,6 +183,13 @@ class Check:
         return f"not applied: {note}" if self.applies(train, target) else None
 
 
+@dataclass(frozen=True)
+class _Sizes:
+    """A family of cases as the limits' "which cases" read it: its TP and CP sizes."""
+    tp: int
+    cp: int
+
+
 def ranks(case: Case) -> int:
     """The ranks that share one case's sequence: its TP group, times its CP ranks. What `min_tp`
     bounds (a check that compares ranks can fail at TP 1 once CP ranks share the work)."""
@@ -174,7 +204,7 @@ def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
           twin: Callable[[Case], Case | None] | None = None,
           needs: str | None = "backward", min_tp: int = 1, reads: tuple[str, ...] = (),
           family: str = "default", explain: ExplainFn | None = None,
-          twin_in_same_process: bool = False) -> Callable[[CheckFn], CheckFn]:
+          twin_in_same_process: bool = False, requires: RequiresFn | None = None) -> Callable[[CheckFn], CheckFn]:
     """Register a check. `needs`: the stage ("forward" or "backward") every rank must have completed
     for the check to have evidence (a rank that raised earlier is `crash`'s finding); None: always.
     `twin`: a second case the check compares against, or None to skip; it runs alongside the case, on
@@ -182,7 +212,7 @@ def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
     compares what a process keeps between calls: memory figures, a repeated call's bits).
     `min_tp`: the smallest TP size (times the CP size: `ranks`) at which the check can fail at all. `reads`: what of a call the
     check reads that some call contexts lack (CONTEXT_LIMITS). `family`: "bitwise" checks run only
-    when asked for (`--bitwise`). `explain`: see ExplainFn."""
+    when asked for (`--bitwise`). `explain`: see ExplainFn. `requires`: see RequiresFn."""
     unknown = set(reads) - set(CONTEXT_LIMITS) - set(TARGET_LIMITS) - set(CASE_LIMITS)
     if unknown or family not in FAMILIES:
         raise ValueError(f"check {name!r}: unknown reads {sorted(unknown)} or family {family!r}")
@@ -191,7 +221,8 @@ def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
         if name in REGISTRY:
             raise ValueError(f"check {name!r} registered twice")
         REGISTRY[name] = Check(name, levels, fn, applies, twin, needs, min_tp,
-                               (fn.__doc__ or "").strip(), tuple(reads), family, explain, twin_in_same_process)
+                               (fn.__doc__ or "").strip(), tuple(reads), family, explain, twin_in_same_process,
+                               requires)
         return fn
     return register
 

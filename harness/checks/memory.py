@@ -203,7 +203,9 @@ def budget_use(c: Any, nbytes: int, meter: str = "peak_backward") -> float:
 
 
 @check("memory-budget", levels=("kernel", "wrapper", "linear"), applies=lambda c, t: c.T > 0 and bool(t.memory_budget),
-       reads=("call-memory", "memory"))
+       reads=("call-memory", "memory"),
+       requires=lambda t, cp: None if t.memory_budget else "the target declares no `HARNESS_MEMORY_BUDGET` "
+                                                           "(docs/check-your-routine.md, memory budget)")
 def budget(ev: Evidence) -> list[str]:
     """The target's declared HARNESS_MEMORY_BUDGET: each figure (retained, peak_forward,
     peak_backward) at most its multiple of T*V_local*4 bytes plus O(T) plus the case's `allowance`

@@ -54,7 +54,9 @@ def extraction(ev: Evidence) -> list[str]:
     return problems
 
 
-@check("entropy-coef-rule", levels=WRAPPER, applies=lambda c, t: c.with_entropy, needs=None, reads=("autograd",))
+@check("entropy-coef-rule", levels=WRAPPER, applies=lambda c, t: c.with_entropy, needs=None, reads=("autograd",),
+       requires=lambda t, cp: None if t.supports("entropy") else "the target computes no entropy "
+                                                                 "(HARNESS_CAPABILITIES['entropy'] is False)")
 def entropy_coef_rule(ev: Evidence) -> list[str]:
     """slime PR #2153: the wrapper's entropy is differentiable exactly when entropy_coef != 0
     (absent and -0.0 are zero; a negative coefficient is a coefficient), whoever calls it."""
@@ -116,7 +118,8 @@ def wrapper_gradients(ev: Evidence) -> list[str]:
 
 
 @check("cp-invariance", levels=WRAPPER, applies=lambda c, t: c.cp > 1 and sum(c.response_lengths) > 0,
-       twin=lambda c: c.replace(cp=1, cp_layout="zigzag") if c.cp > 1 else None, needs="forward")
+       twin=lambda c: c.replace(cp=1, cp_layout="zigzag") if c.cp > 1 else None, needs="forward",
+       requires=lambda t, cp: None if cp > 1 else "compares CP > 1 with CP 1: runs in the CP families (tpN-cpM)")
 def cp_invariance(ev: Evidence) -> list[str]:
     """The same global case at CP 1: every sample's response, re-assembled from the CP ranks' zigzag
     pieces (TP rank 0 of replica 0 at each CP rank), agrees with it within twice the derived bound

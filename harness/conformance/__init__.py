@@ -1,1 +1,1 @@
-"""The shipped conformance suite: `pytest --pyargs harness.conformance --target MODULE`."""
+"""The shipped conformance suite: `pytest --pyargs harness.conformance --harness-target MODULE`."""

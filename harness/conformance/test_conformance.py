@@ -1,98 +1,95 @@
-"""Every registered check, against --target, over randomized cases drawn by Hypothesis.
+"""Every registered check, against --harness-target: the regression corpus, then randomized cases,
+as `harness check` runs them with the same profile (`exploration`).
 
-One test id per check x level x TP size x configuration family, e.g.
-`test_check[values-kernel-tp2-bf16-masked]`, so `pytest -k 'tp2 and gradients'` selects.
-Cases of one family are drawn identically for every check (derandomized profiles), and the runner
-caches each distributed run, so a case runs once however many checks read it.
+One test id per level of the corpus (`test_corpus[kernel]`) and per check x family of randomized
+cases (`test_check[values-kernel-tp2]`, `test_check[cp-invariance-wrapper-tp1-cp2]`), so
+`pytest -k 'tp2 and gradients'` selects. A check that cannot apply to a family on this target is
+skipped before any case is drawn, saying why; a failing check prints its shrunk case and repro line.
 """
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, seed as hyp_seed, settings
-from hypothesis import strategies as st
-from hypothesis.errors import Unsatisfiable
 
-from cases.strategies import kernel_cases, linear_cases, wrapper_cases
+from cases.profiles import PROFILES
 from harness.checks import all_checks
+from harness.cli import finding_blocks
+from harness.conformance.exploration import Family, Outcome, Session, families
 from harness.errors import TargetError
+from harness.plugin import value
 from harness.targets import load_target
 
-DTYPES = ("fp32", "bf16", "fp16")
+
+def _target(config: pytest.Config):
+    try:
+        return load_target(value(config, "target"))
+    except TargetError as e:
+        raise pytest.UsageError(f"harness: error: {e}") from None
 
 
-def _families(level: str, tps: list[int], keep_mask: bool, cps: list[int] = ()) -> list[tuple[str, dict]]:
-    if level == "kernel":
-        masks = (False, True) if keep_mask else (False,)  # a target without a keep mask has no masked family
-        return [(f"tp{tp}-{dt}-{'masked' if m else 'unmasked'}", dict(tp=tp, dtype=dt, masked=m))
-                for tp in tps for dt in DTYPES for m in masks]
-    families = [(f"tp{tp}", dict(tp=tp)) for tp in tps]
-    if level == "wrapper":  # --cp: TP x CP worlds, both layouts drawn
-        families += [(f"tp{tp}-cp{cp}", dict(tp=tp, cp=cp)) for cp in cps for tp in tps if tp <= 2]
-    return families
+def _families(config: pytest.Config, target) -> list[Family]:
+    cp = value(config, "cp") if target.supports("context_parallel") else []
+    return families(PROFILES[value(config, "profile")], target.levels, value(config, "tp"),
+                    hasattr(config, "harness_launched"), cp)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    config = metafunc.config
+    if "corpus_level" in metafunc.fixturenames:
+        metafunc.parametrize("corpus_level", _target(config).levels)
     if "family" not in metafunc.fixturenames:
         return
-    config = metafunc.config
-    try:
-        target = load_target(config.getoption("--target"))
-    except TargetError as e:
-        raise pytest.UsageError(f"harness: error: {e}") from None
-    params, ids = [], []
-    for name, chk in all_checks(bitwise=config.getoption("bitwise")).items():
-        for level in chk.levels:
-            if level not in target.levels:
-                continue
-            for fam_id, fam in _families(level, config.harness_tp, target.supports("keep_mask"), config.harness_cp):
-                if fam["tp"] * fam.get("cp", 1) < chk.min_tp:
-                    continue
-                params.append((name, level, fam))
-                ids.append(f"{name}-{level}-{fam_id}")
-    metafunc.parametrize(("check_name", "level", "family"), params, ids=ids)
+    target = _target(config)
+    params = []
+    for fam in _families(config, target):
+        for name, chk in all_checks(bitwise=value(config, "bitwise")).items():
+            if fam.level not in chk.levels or fam.tp * fam.cp < chk.min_tp:
+                continue  # cannot fail there at all: no test
+            why = chk.excluded(target, fam.tp, fam.cp)
+            params.append(pytest.param(name, fam, id=f"{name}-{fam.id}",
+                                       marks=[pytest.mark.skip(reason=f"{name}: {why}")] if why else []))
+    metafunc.parametrize(("check_name", "family"), params)
 
 
-def _strategy(runner, level: str, family: dict) -> st.SearchStrategy:
-    t = runner.target
-    caps = dict(entropy=t.supports("entropy"), keep_mask=t.supports("keep_mask"))
-    if level == "kernel":
-        return kernel_cases(tp=st.just(family["tp"]), dtype=st.just(family["dtype"]), masked=family["masked"], **caps)
-    if level == "linear":
-        return linear_cases(tp=st.just(family["tp"]), **caps)
-    return wrapper_cases(tp=st.just(family["tp"]), cp=st.just(family.get("cp", 1)), **caps)
+@pytest.fixture(scope="session")
+def harness_session(request: pytest.FixtureRequest, harness_runner) -> Session:
+    """The session's explorations, each for the checks the session selected of its family."""
+    selected: dict[str, set[str]] = {}
+    for item in request.session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "family" in params:
+            selected.setdefault(params["family"].id, set()).add(params["check_name"])
+    return Session(harness_runner, value(request.config, "seed"), selected,
+                   first_only=request.config.getoption("maxfail") == 1)
 
 
-@pytest.mark.distributed
-def test_check(harness_runner, request, check_name: str, level: str, family: dict) -> None:
-    __tracebackhide__ = True  # a failure reads as the finding and its repro line, not as this code
-    runner = harness_runner
-    chk = runner.checks[check_name]
-    applied = []
+def test_corpus(harness_session: Session, request: pytest.FixtureRequest, corpus_level: str) -> None:
+    """The regression corpus's cases of this level: every defect the field has had, as a case."""
+    outcomes = harness_session.corpus(corpus_level, value(request.config, "tp"))
+    _conclude(request, [f for o in outcomes.values() for f in o.findings],
+              [name for name, o in outcomes.items() if o.known], f"the corpus's {corpus_level} cases")
 
-    @settings(max_examples=request.config.harness_profile.pytest_examples)
-    @given(st.data())
-    def run(data):
-        __tracebackhide__ = True
-        # Fitted to the target's capabilities before the filter, as the runner will run it.
-        case = data.draw(_strategy(runner, level, family).map(runner.fit)
-                         .filter(lambda c: chk.applicable(c, runner.target)), label="case")
-        _, findings = runner.check(case, only={check_name})
-        applied.append(case)
-        if findings:
-            f = findings[0]
-            raise AssertionError(f"[{f.check}] {f.message}\nrepro: {f.repro}")
 
-    seed = request.config.getoption("--seed")
-    known_before = len(runner.known_findings), sum(e.matched for e in runner.known.entries)
-    try:
-        (hyp_seed(seed)(run) if seed is not None else run)()
-    except Unsatisfiable:  # e.g. memory-budget for a target that declares no budget
-        pytest.skip(f"{check_name} applies to no drawn {level} case of {family} for {runner.target.spec}")
-    if sum(e.matched for e in runner.known.entries) > known_before[1]:
-        # Only known findings: an expected failure with the entry's reason (--known), a failure under --strict-known.
-        f = runner.known_findings[known_before[0]] if len(runner.known_findings) > known_before[0] else None
-        reason = f"known: {f.known}; e.g. {f.repro}" if f else "known findings (--known)"
-        if request.config.getoption("strict_known"):
-            pytest.fail(f"[{check_name}] {reason} (--strict-known)", pytrace=False)
+def test_check(harness_session: Session, request: pytest.FixtureRequest, check_name: str, family: Family) -> None:
+    outcome: Outcome = harness_session.family(family)[check_name]
+    if not outcome.applied and not outcome.findings and not outcome.known:
+        why = "; ".join(f"{n} case(s) {note}" for note, n in sorted(outcome.not_applied.items()))
+        pytest.skip(f"{check_name}: applied to none of the {family.cases} {family.id} cases drawn"
+                    + (f" ({why})" if why else ""))
+    _conclude(request, outcome.findings, [check_name] if outcome.known else [], f"{check_name} on {family.id}")
+
+
+def _conclude(request: pytest.FixtureRequest, findings: list, known: list[str], what: str) -> None:
+    """Fail with the findings as `harness check` prints them (shrunk case first, repro line);
+    only known findings (of the checks `known`): an expected failure, a failure with
+    --harness-strict-known."""
+    if findings:
+        pytest.fail("\n".join(finding_blocks(findings)).strip(), pytrace=False)
+    if known:
+        reason = f"known findings (--harness-known) in {what}"
+        runner = request.getfixturevalue("harness_runner")
+        matched = [f for f in runner.known_findings if f.known and f.check in known]
+        if matched:
+            reason = f"known: {matched[-1].known}; e.g. {matched[-1].repro}"
+        if value(request.config, "strict_known"):
+            pytest.fail(f"{reason} (--harness-strict-known)", pytrace=False)
         pytest.xfail(reason)
-    assert applied, f"{check_name} never applied to the {level} family {family}"

@@ -45,14 +45,16 @@ def strategy_for(runner: Runner, level: str, tps: Iterable[int], dp: int = 1, cp
 
 
 def run_corpus(runner: Runner, tps: Iterable[int], progress: Callable[[str], None] = lambda s: None,
-               stop: Callable[[list[Finding]], bool] | None = None, limits: RunLimits | None = None) -> list[Finding]:
+               stop: Callable[[list[Finding]], bool] | None = None, limits: RunLimits | None = None,
+               levels: Iterable[str] | None = None) -> list[Finding]:
     """The regression corpus, at the TP sizes asked for (cases at other sizes move to the largest);
-    `stop` ends it early once the findings so far satisfy it."""
+    `stop` ends it early once the findings so far satisfy it; `levels`: only these levels' entries."""
     tps = sorted(tps)
+    levels = runner.target.levels if levels is None else [lv for lv in levels if lv in runner.target.levels]
     findings: list[Finding] = []
     for entry in CORPUS:
         case = entry.case
-        if case.level not in runner.target.levels:
+        if case.level not in levels:
             continue
         if case.tp not in tps:
             case = case.replace(tp=tps[-1])
@@ -78,16 +80,17 @@ def run_corpus(runner: Runner, tps: Iterable[int], progress: Callable[[str], Non
 def explore(runner: Runner, level: str, tps: Iterable[int], max_examples: int, seed: int,
             shrink: bool = True, progress: Callable[[str], None] = lambda s: None,
             stop: Callable[[list[Finding]], bool] | None = None, limits: RunLimits | None = None,
-            dp: int = 1, cp: int = 1) -> list[Finding]:
+            dp: int = 1, cp: int = 1, only: set[str] | None = None) -> list[Finding]:
     """Random cases of one level (TP groups in a world of `dp` replicas, and of `cp` CP ranks at the
     wrapper level); returns one finding per
     (newly) failing check, shrunk when asked. Without shrinking, every finding of every case is
-    returned; `stop` ends the search early once the findings so far satisfy it."""
+    returned; `stop` ends the search early once the findings so far satisfy it. `only`: these
+    checks alone (None: every check of the runner)."""
     strategy = strategy_for(runner, level, tps, dp, cp)
     label = level + (f" (DP {dp})" if dp > 1 else "") + (f" (CP {cp})" if cp > 1 else "")
     known: set[str] = set()
     out: list[Finding] = []
-    for round_ in range(len(runner.checks) + 1):
+    for round_ in range(len(only or runner.checks) + 1):
         collected: list[Finding] = []
         count = [0]
         hang_shrink = {"on": False, "seconds": 0.0, "cases": 0}
@@ -103,7 +106,7 @@ def explore(runner: Runner, level: str, tps: Iterable[int], max_examples: int, s
                 if limits.skip(case):
                     return
             start = time.perf_counter()
-            ev, findings = runner.check(case)
+            ev, findings = runner.check(case, only=only)
             count[0] += 1
             if count[0] % 25 == 0:
                 progress(f"{label}: {count[0]} cases")

@@ -30,19 +30,15 @@ the allocation level when the forward began.
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
-import subprocess
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness.meters import trace
+from harness.meters import ledger_build, trace
 
 # The "O(T)" tolerances, in bytes per row plus a constant. Two calls of one routine compared differ
 # by an output or a token vector at most: four float32 vectors. An absolute figure against a budget
@@ -333,22 +329,10 @@ class ModeLedger(TorchDispatchMode):
         return dict(leftover=sum(e.nbytes for e in left), leftover_tensors=_top(left))
 
 
-@functools.cache
 def compiled_ledger() -> type | None:
-    """The C++ ledger, compiled at its first use on a machine (about 40 s on two cores) and
-    loaded from torch's extension cache after; None where it cannot be built (no compiler)."""
-    from torch.utils import cpp_extension
-
-    source = Path(__file__).with_name("ledger.cpp")
-    # Named by its content: checkouts of other versions build and load their own, side by side.
-    name = "harness_ledger_" + hashlib.sha1(source.read_bytes()).hexdigest()[:12]
-    try:
-        # NDEBUG as torch's release builds have it: without it, RecordFunction's inline accessors
-        # assert on state that only a debug build of torch keeps.
-        module = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O2", "-DNDEBUG"], verbose=False)
-    except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError):
-        return None
-    return module.Ledger
+    """The C++ ledger's class, or None where the Python one is chosen or it cannot be built
+    (`ledger_build`)."""
+    return ledger_build.compiled()
 
 
 _fallen_back = False  # a routine handed a collective a counted storage behind the ledger's back
@@ -358,6 +342,11 @@ def ledger_class() -> type:
     """The ledger that meters use in this process: the C++ one where it builds."""
     compiled = compiled_ledger()
     return ModeLedger if compiled is None or _fallen_back else compiled
+
+
+def ledger_name() -> str:
+    """What a result names as its memory ledger: "cpp" or "python" (`HARNESS_LEDGER`)."""
+    return "python" if compiled_ledger() is None else "cpp"
 
 
 class Meter:

@@ -15,16 +15,14 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-import jinja2
-
 from cases.case import Case
 from harness.checks import Evidence
 from harness.checks.memory import budget_use
 from harness.engine.runner import Runner
 from harness.findings import Finding
+from harness import extras
 from harness.meters import memory
 from harness.report import view as report_view
-from harness.report.plots import baseline_figure, margin_figure, memory_figure, png_uri
 
 SUFFIXES = (".html", ".md")
 
@@ -33,6 +31,12 @@ def report_path(text: str) -> Path:
     path = Path(text)
     if path.suffix not in SUFFIXES:
         raise argparse.ArgumentTypeError(f"--report writes {' or '.join(SUFFIXES)} files, got {text!r}")
+    try:  # said before the run, not after it
+        extras.require("jinja2", "report", "--report")
+        if path.suffix == ".html":
+            extras.require("matplotlib", "report", "an HTML --report (its plots)")
+    except extras.MissingExtra as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return path
 
 
@@ -90,7 +94,8 @@ def write_report(path: Path, result: dict[str, Any]) -> None:
     path.write_text(text, encoding="utf-8")
 
 
-def environment(autoescape: bool) -> jinja2.Environment:
+def environment(autoescape: bool) -> "jinja2.Environment":  # noqa: F821 (the report extra's)
+    jinja2 = extras.require("jinja2", "report", "a report")
     env = jinja2.Environment(loader=jinja2.PackageLoader("harness.report", "templates"), autoescape=autoescape,
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
                              keep_trailing_newline=True)
@@ -101,6 +106,9 @@ def environment(autoescape: bool) -> jinja2.Environment:
 
 
 def render_html(result: dict[str, Any]) -> str:
+    extras.require("matplotlib", "report", "an HTML report (its plots)")
+    from harness.report.plots import baseline_figure, margin_figure, memory_figure, png_uri
+
     view = report_view.view(result)
     compared = view["baseline"] and view["baseline"]["rows"]
     figures = {

@@ -11,12 +11,14 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from matplotlib.figure import Figure  # Figure.savefig renders PNG through Agg: no pyplot, no GUI
-
+from harness import extras
 from harness.errors import UsageError
 from harness.perf_gate import FORMAT as BASELINE_FORMAT
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # metric -> (axis label, scale from the stored unit). Stored units: seconds, instructions, bytes.
 METRICS = {
@@ -89,6 +91,8 @@ def load_runs(directory: Path) -> list[Run]:
 
 
 def trend_figure(runs: list[Run]) -> Figure:
+    # Figure.savefig renders PNG through Agg: no pyplot, no GUI
+    Figure = extras.require("matplotlib.figure", "report", "harness trend").Figure  # noqa: N806
     cases = sorted({c for r in runs for per_case in r.values.values() for c in per_case})
     fig = Figure(figsize=(max(7.0, 1.1 * len(runs) + 3), 2.6 * len(METRICS) + 0.3 * (len(cases) // 2 + 1)),
                  layout="constrained")
@@ -123,6 +127,7 @@ def trend_figure(runs: list[Run]) -> Figure:
 
 
 def cmd_trend(ns: argparse.Namespace, _cfg: Any = None) -> int:
+    extras.require("matplotlib", "report", "harness trend")
     directory = Path(ns.directory)
     if not directory.is_dir():
         raise UsageError(f"{directory} is not a directory")

@@ -1,0 +1,63 @@
+"""The C++ memory ledger's build: cached per environment, said while it builds, a failed build said
+once with the fallback to the Python ledger, `HARNESS_LEDGER` choosing (`harness.meters.ledger_build`).
+
+The builds here fail on purpose (a compiler that fails at once) in a scratch extensions folder: no
+test compiles the ledger for real (the first pool start of the session does, once per environment).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.errors import UsageError
+from harness.meters import ledger_build
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE = "from harness.meters import memory; print(memory.ledger_name())"
+
+
+def test_the_build_is_named_per_torch_python_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    here = ledger_build.extension_name()
+    monkeypatch.setattr(sys, "prefix", "/some/other/venv")
+    other_env = ledger_build.extension_name()
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
+    other_torch = ledger_build.extension_name()
+    assert len({here, other_env, other_torch}) == 3
+    assert all(n.startswith("harness_ledger_") for n in (here, other_env, other_torch))
+
+
+def test_harness_ledger_chooses(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ledger_build.ENV, raising=False)
+    assert ledger_build.chosen() is None
+    monkeypatch.setenv(ledger_build.ENV, "Python")
+    assert ledger_build.chosen() == "python"
+    monkeypatch.setenv(ledger_build.ENV, "rust")
+    with pytest.raises(UsageError, match="HARNESS_LEDGER='rust': one of cpp, python"):
+        ledger_build.chosen()
+
+
+def _probe(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "false", **env}
+    return subprocess.run([sys.executable, "-c", PROBE], env=full, capture_output=True, text=True, timeout=120,
+                          check=False)
+
+
+def test_a_failed_build_is_said_once_and_the_python_ledger_used(tmp_path: Path) -> None:
+    run = _probe(tmp_path)
+    assert run.returncode == 0 and run.stdout.strip() == "python", run.stderr[-2000:]
+    assert run.stderr.count("building the C++ memory ledger for this environment") == 1
+    assert run.stderr.count("the C++ memory ledger does not build (") == 1
+    assert "the Python ledger is used" in run.stderr
+
+
+def test_python_is_chosen_without_a_build_and_cpp_insists(tmp_path: Path) -> None:
+    chosen = _probe(tmp_path, HARNESS_LEDGER="python")
+    assert chosen.stdout.strip() == "python" and "C++" not in chosen.stderr, chosen.stderr[-2000:]
+    assert not any(tmp_path.iterdir())  # nothing was built, or tried
+    insisted = _probe(tmp_path, HARNESS_LEDGER="cpp")
+    assert insisted.returncode != 0 and "HARNESS_LEDGER=cpp, but the C++ memory ledger does not build" in insisted.stderr
