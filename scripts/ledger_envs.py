@@ -7,7 +7,7 @@ took; exits 1 if an environment built more than once (from an empty scratch dire
 exactly once, in its first round; run again on the same scratch, none builds). Run from the
 repository root:
 
-    python scripts/ledger_envs.py --scratch /tmp/ledger-envs --rounds 3
+    python scripts/ledger_envs.py --scratch SCRATCH_DIR --rounds 3
 """
 from __future__ import annotations
 
