@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import options
+from harness.checks import all_checks
 from harness.errors import UsageError
 from harness.report import matrix
 from harness.report.render import environment
@@ -195,10 +197,34 @@ def run_all(git: Git, todo: list[Commit], ns: argparse.Namespace, workdir: Path)
     return outcomes
 
 
-def history_rows(commits_: list[Commit], outcomes: dict[str, Outcome]) -> list[dict[str, Any]]:
+def repro_line(repo: str, sha: str, target: str, case: str, device: str = "cpu") -> str:
+    """The `harness repro` line that re-runs `case` on commit `sha` of `repo`: it exports that
+    commit's tree itself, so the line works after the run (whose trees are gone) and never checks
+    the user's current checkout instead of the commit."""
+    dev = "" if device == "cpu" else f" --device {shlex.quote(device)}"
+    return (f"python -m harness repro --repo {shlex.quote(repo)} --commit {sha} --target {shlex.quote(target)}"
+            f"{dev} {shlex.quote(case)}")
+
+
+def lead_finding(result: dict[str, Any], checks: set[str]) -> dict[str, Any] | None:
+    """The finding a stretch is reported by: a shrunk (minimal) one of those checks when there is
+    one (the corpus's cases are not shrunk), new findings before known ones."""
+    for pool_ in (result.get("findings", []), result.get("known_findings", [])):
+        mine = [f for f in pool_ if f["check"] in checks]
+        if mine:
+            return next((f for f in mine if f.get("shrunk")), mine[0])
+    return None
+
+
+def history_rows(commits_: list[Commit], outcomes: dict[str, Outcome], repo: str = "", target: str = "",
+                 device: str = "cpu") -> list[dict[str, Any]]:
     """One row per commit: its cells (`report.matrix`'s), each marked `introduced` where the family
     fails after passing, `failing` where it fails on the first commit checked (it may be older), and
-    `fixed` where it passes after failing."""
+    `fixed` where it passes after failing. A failing cell's repro is its shrunk finding's, as a line
+    that exports the commit itself (`repro_line`)."""
+    families: dict[str, set[str]] = {}
+    for chk in all_checks().values():
+        families.setdefault(matrix.family(chk), set()).add(chk.name)
     rows: list[dict[str, Any]] = []
     failing: dict[str, bool] = {}
     for c in commits_:
@@ -215,6 +241,10 @@ def history_rows(commits_: list[Commit], outcomes: dict[str, Outcome]) -> list[d
                     row["cells"][fam] = cell
                     continue
                 fails = cell["state"] in ("finding", "known")
+                lead = lead_finding(r, families[fam]) if fails else None
+                if lead is not None:
+                    cell.update(case=lead["case"], check=lead["check"], shrunk=lead.get("shrunk", False),
+                                repro=repro_line(repo, c.sha, target, lead["case"], device))
                 if fails and fam not in failing:
                     cell["mark"] = "failing"
                 elif fails and not failing[fam]:
@@ -238,6 +268,8 @@ def transitions(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
                 open_[fam] = {"family": fam, "introduced": row["short"], "fixed": None,
                               "already_at_first": cell["mark"] == "failing",
                               "check": cell.get("check"), "repro": cell.get("repro")}
+                open_[fam]["case"] = cell.get("case")
+                open_[fam]["shrunk"] = cell.get("shrunk", False)
                 out.append(open_[fam])
             elif cell.get("mark") == "fixed" and fam in open_:
                 open_.pop(fam)["fixed"] = row["short"]
@@ -273,8 +305,9 @@ def render_markdown(h: dict[str, Any]) -> str:
     lines += ["", "| family | brought in by | fixed by | first finding's repro |", "|---|---|---|---|"]
     for t in h["transitions"]:
         came = f"`{t['introduced']}`" + (" (already at the first commit checked)" if t["already_at_first"] else "")
+        repro = (f"`{t['repro']}`" + ("" if t.get("shrunk") else " (not shrunk)")) if t["repro"] else "-"
         lines.append("| " + " | ".join(_md([t["family"], came, f"`{t['fixed']}`" if t["fixed"]
-                                            else "not fixed", f"`{t['repro']}`" if t["repro"] else "-"])) + " |")
+                                            else "not fixed", repro])) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -303,7 +336,7 @@ def cmd_history(ns: argparse.Namespace, cfg: options.RunConfig) -> int:
     for c in todo:
         if outcomes[c.sha].result is not None:
             (ns.out / f"{c.short}.json").write_text(json.dumps(outcomes[c.sha].result, indent=1))
-    rows = history_rows(listed, outcomes)
+    rows = history_rows(listed, outcomes, str(Path(ns.repo).resolve()), ns.target, ns.device)
     fams = [f for f in matrix.columns() if any(r["cells"].get(f, {}).get("state") in ("finding", "known")
                                                for r in rows)]
     h = {"repo": str(ns.repo), "target": ns.target, "paths": paths, "rev": rev, "since": ns.since,
@@ -320,6 +353,29 @@ def cmd_history(ns: argparse.Namespace, cfg: options.RunConfig) -> int:
     print(f"written: {ns.out / 'history.md'}, {ns.out / 'history.html'}, {ns.out / 'history.json'} "
           f"and each checked commit's JSON", file=sys.stderr)
     return 2 if any(o.status == "error" for o in outcomes.values()) else 0
+
+
+def add_repro_arguments(p: argparse.ArgumentParser) -> None:
+    """`harness repro --repo R --commit SHA`: the case on that commit's tree (`repro_at_commit`)."""
+    p.add_argument("--repo", type=Path, metavar="REPO",
+                   help="re-run the case on a commit of this git repository (a work tree or a bare one), "
+                        "exported into a temporary tree first on PYTHONPATH (as `harness history` checks it)")
+    p.add_argument("--commit", default="HEAD", metavar="REV", help="the commit of --repo (default: HEAD)")
+
+
+def repro_at_commit(ns: argparse.Namespace) -> int:
+    """`harness repro` in a process of its own on `--commit`'s tree (exported with `git archive`, put
+    first on PYTHONPATH, then this harness; deleted afterwards): its exit status, so `git bisect run`
+    and the 125 of an untestable commit work as without --repo."""
+    git = Git(ns.repo)
+    sha = git("rev-parse", f"{ns.commit}^{{commit}}").strip()
+    cmd = [sys.executable, "-m", "harness", "repro", "--target", ns.target, "--device", ns.device, ns.case]
+    with tempfile.TemporaryDirectory(prefix="harness-repro-") as tmp:
+        git.export(sha, Path(tmp))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [tmp, str(HARNESS_ROOT),
+                                                                        os.environ.get("PYTHONPATH")])))
+        print(f"[repro] {ns.repo} at {sha[:10]}", file=sys.stderr, flush=True)
+        return subprocess.run(cmd, cwd=tmp, env=env, check=False).returncode
 
 
 def register(sub: argparse._SubParsersAction) -> None:

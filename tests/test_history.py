@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -77,6 +78,26 @@ def test_history_finds_the_defect_and_the_fix(repo, tmp_path, capsys):
         <= h["transitions"][0].items()
     assert f"| `{shas['defect'][:10]}` |" in table and "FAILS FROM HERE" in table and "FIXED HERE" in table
     assert (out / f"{shas['defect'][:10]}.json").exists() and (out / "history.html").exists()
+    # The stretch's repro names the repository and the defect commit, and its case is the shrunk finding's.
+    stretch = h["transitions"][0]
+    assert stretch["shrunk"] and stretch["repro"].startswith(
+        f"python -m harness repro --repo {path} --commit {shas['defect']} --target lp ")
+    finding = next(f for f in json.loads((out / f"{shas['defect'][:10]}.json").read_text())["findings"]
+                   if f["shrunk"] and f["check"] == "gradients")
+    assert stretch["case"] == finding["case"] and shlex.split(stretch["repro"])[-1] == finding["case"]
+
+
+def test_history_repro_line_outlives_the_run_and_checks_its_commit(repo, tmp_path, capsys, monkeypatch):
+    """The printed line re-runs the commit's own tree after the run's trees are deleted, from a
+    directory whose `lp` is another version (the line must not import the user's checkout)."""
+    path, shas = repo
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "lp.py").write_text(ROUTINE.format(mutant=""))  # a clean `lp` where the user stands
+    line = f"python -m harness repro --repo {path} --commit {shas['defect']} --target lp {shlex.quote(CASE)}"
+    assert main(shlex.split(line)[3:]) == 1  # the defect commit fails, though ./lp.py is clean
+    assert main(shlex.split(line.replace(shas["defect"], shas["fix"]))[3:]) == 0
+    assert main(["repro", "--repo", str(path), "--commit", shas["readme"], "--target", "nosuchmodule", CASE]) \
+        == UNTESTABLE
 
 
 @pytest.mark.slow
