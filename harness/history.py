@@ -73,16 +73,47 @@ class Git:
             raise UsageError(f"git {' '.join(args)}: {proc.stderr.strip()}")
         return proc.stdout
 
-    def export(self, sha: str, dest: Path) -> None:
-        """The commit's tree into `dest`, through `git archive | tar` (no checkout, no index)."""
-        archive = subprocess.Popen(["git", "--git-dir", self.dir, "archive", sha], stdout=subprocess.PIPE)
+    def export(self, sha: str, dest: Path) -> list[str]:
+        """The commit's tree into `dest`, through `git archive | tar` (no checkout, no index). A
+        mirror may lack some blobs (large files left out of a snapshot): then the tree is written
+        blob by blob, those left out; their paths are returned (none when the archive worked)."""
+        archive = subprocess.Popen(["git", "--git-dir", self.dir, "archive", sha], stdout=subprocess.PIPE,
+                                   stderr=subprocess.DEVNULL)
         try:
-            subprocess.run(["tar", "-x", "-C", str(dest)], stdin=archive.stdout, check=True, timeout=600)
+            untar = subprocess.run(["tar", "-x", "-C", str(dest)], stdin=archive.stdout, capture_output=True,
+                                   timeout=600)
         finally:
             archive.stdout.close()
             archive.wait(timeout=60)
-        if archive.returncode:
-            raise RuntimeError(f"git archive {sha} exited {archive.returncode}")
+        if archive.returncode == 0 and untar.returncode == 0:
+            return []
+        return self._export_blobs(sha, dest)
+
+    def _export_blobs(self, sha: str, dest: Path) -> list[str]:
+        entries = [line.split("\t", 1) for line in self("ls-tree", "-r", "-z", sha).split("\0") if line]
+        blobs = [(meta.split(), path) for meta, path in entries if meta.split()[1] == "blob"]
+        cat = subprocess.run(["git", "--git-dir", self.dir, "cat-file", "--batch"],
+                             input="".join(f"{m[2]}\n" for m, _ in blobs).encode(), capture_output=True, timeout=600)
+        out, pos, absent = cat.stdout, 0, []
+        for (mode, _, _), path in blobs:
+            end = out.index(b"\n", pos)
+            header = out[pos:end].decode().split()
+            pos = end + 1
+            if header[-1] == "missing":
+                absent.append(path)
+                continue
+            size = int(header[2])
+            data, pos = out[pos:pos + size], pos + size + 1
+            target = dest / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if mode == "120000":
+                target.unlink(missing_ok=True)
+                target.symlink_to(data.decode())
+            else:
+                target.write_bytes(data)
+                if mode == "100755":
+                    target.chmod(0o755)
+        return absent
 
 
 def module_paths(git: Git, rev: str, module: str) -> list[str]:
@@ -131,7 +162,7 @@ def check_commit(git: Git, commit: Commit, ns: argparse.Namespace, workdir: Path
     start = time.perf_counter()
     try:
         git.export(commit.sha, tree)
-    except (RuntimeError, subprocess.SubprocessError) as e:
+    except (UsageError, subprocess.SubprocessError) as e:
         return Outcome("error", reason=f"cannot export the commit: {e}")
     out = workdir / f"{commit.short}.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tree), str(HARNESS_ROOT),
