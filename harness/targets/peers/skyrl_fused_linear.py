@@ -7,6 +7,15 @@ chunk in a hand-written backward. The adapter hands it the case's hidden states 
 view (`hidden.unsqueeze(0)`, as SkyRL's worker passes its `[B, S, H]` decoder output): a strided
 hidden stays strided. `chunk_size <= 0` is one chunk of all rows.
 
+The function returns each TP rank's share of the hidden states' gradient (its vocab shard's
+`grad_logits @ weight`); SkyRL's worker sums the shares outside it: it runs Megatron with sequence
+parallelism whenever TP > 1 (`provider.sequence_parallel = tp > 1`), and its output processor
+all-gathers the hidden states with `gather_from_sequence_parallel_region(...,
+tensor_parallel_output_grad=True)`, whose backward reduce-scatters that gradient over the TP group.
+The harness hands every rank the whole (replicated) hidden states, so the adapter composes the
+function with megatron-core's `copy_to_tensor_model_parallel_region` (identity forward, the same
+sum in the backward), as Megatron's own output layer does without sequence parallelism.
+
 Log-probs only (`HARNESS_CAPABILITIES["entropy"]` False): SkyRL's fused entropy
 (`_fused_vocab_parallel_entropy_from_hidden`) is a metric written into a preallocated buffer that
 SkyRL calls under `no_grad`; the contract's entropy is differentiable on request, so it is not
@@ -38,7 +47,11 @@ def calculate_linear_log_probs_and_entropy(hidden, weight, tokens, tp_group, wit
     v_local = weight.shape[0]
     start = rank * v_local
     chunk = chunk_size if chunk_size > 0 else max(hidden.shape[0], 1)
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
     h = hidden.unsqueeze(0)  # [1, T, H]: a view of the caller's hidden states, strided when they are
+    if group.size() > 1 and h.requires_grad:
+        h = copy_to_tensor_model_parallel_region(h)  # SkyRL's caller's sum of the TP ranks' hidden gradients
     target = tokens.reshape(1, -1).to(device=hidden.device, dtype=torch.long)
     log_prob = mu.FusedLinearChunkedDistributedLogprob.apply(h, weight, target, start, start + v_local, chunk, group,
                                                              _inference_only(hidden) and _inference_only(weight))
