@@ -181,3 +181,22 @@ def test_slime_first_fused_commit_is_checked_with_its_capability_inferred(tmp_pa
     (row,) = json.loads((out / "history.json").read_text())["rows"]
     assert row["status"] == "checked" and row["inferred"] == {"metric_only_entropy": False}
     assert row["levels"] == ["kernel", "wrapper"]
+
+
+def test_a_mirror_without_some_blobs_is_exported_without_them(tmp_path):
+    """Snapshots leave large files out: the commit's tree is written file by file, those left out."""
+    from harness.history import Git
+
+    repo = tmp_path / "mirror"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "lp.py").write_text("X = 1\n")
+    (repo / "big.svg").write_text("<svg/>" * 100)
+    _git(repo, "add", "lp.py", "big.svg")
+    _git(repo, "commit", "-q", "-m", "two files")
+    blob = _git(repo, "rev-parse", "HEAD:big.svg")
+    (repo / ".git" / "objects" / blob[:2] / blob[2:]).unlink()  # the blob the snapshot lacks
+    out = tmp_path / "tree"
+    out.mkdir()
+    assert Git(repo).export("HEAD", out) == ["big.svg"]
+    assert (out / "lp.py").read_text() == "X = 1\n" and not (out / "big.svg").exists()
