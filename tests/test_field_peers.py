@@ -105,3 +105,13 @@ def test_prime_rl_entropy_is_a_metric_its_backward_refuses(harness_pools) -> Non
     _loaded("prime_rl")
     spec = LinearCase(tp=1, T=4, H=8, v_local=5, loss_terms="entropy", seed=6).spec()
     assert "crash" in _findings(harness_pools, "prime_rl", spec)
+
+
+@pytest.mark.distributed
+def test_skyrl_chunked_backward_raises_on_transposed_logits(harness_pools) -> None:
+    """SkyRL #1650's scatter-add backward `view`s a gradient that keeps the logits' strides: a
+    transposed [T, V_local] view of the logits makes it raise (SkyRL's main; its own worker hands
+    contiguous logits)."""
+    _loaded("skyrl")
+    found = _findings(harness_pools, "skyrl", "kernel:tp=2,T=6,v_local=5,chunk_size=4,seed=14,layout=transposed")
+    assert "view size is not compatible" in found.get("crash", ""), found
