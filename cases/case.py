@@ -41,6 +41,12 @@ LINEAR_CONTEXTS = ("train", "two_inputs")  # the fused-linear level runs on the 
 # Which input of a fused-linear case is frozen (requires no grad): neither; the LM head (LoRA,
 # adapters); the hidden states (a frozen trunk under a trained head).
 FROZEN = ("none", "weight", "hidden")
+# How a fused-linear caller hands over its hidden states (the values are the same in every view; only
+# the memory differs): a contiguous [T, H] leaf; `shifted`, the first T positions of a [1, T + 1, H]
+# decoder output (the caller's `h[:, :-1]`: a storage with a spare row after the view); `seq_first`,
+# one batch element of Megatron's sequence-first [T, 2, H] activation (`act.transpose(0, 1)[1]`: rows
+# 2H apart, a storage offset). The caller's tensor is the buffer (a leaf); the routine gets the view.
+HIDDEN_VIEWS = ("contiguous", "shifted", "seq_first")
 SECOND_SEED_STRIDE = 7_368_787  # the second call's seed in a two_inputs context (not a replica's)
 
 
@@ -415,6 +421,7 @@ class LinearCase(_CaseBase):
     seed: int = 0
     frozen: str = choice("none", FROZEN)  # with requires_grad, the input that still requires no grad
     context: str = choice("train", LINEAR_CONTEXTS)
+    hidden_view: str = choice("contiguous", HIDDEN_VIEWS)  # the memory of the hidden states handed over
     level: ClassVar[str] = "linear"
     dp: ClassVar[int] = 1
     layout: ClassVar[str] = "contiguous"
@@ -468,7 +475,7 @@ class LinearCase(_CaseBase):
 
 # Case fields that are left out of a spec at their default value (see `spec`).
 _LATER_FIELDS = frozenset({"dp", "layout", "token_layout", "context", "batch_of", "row_start", "repeat", "cp",
-                           "cp_layout", "frozen"})
+                           "cp_layout", "frozen", "hidden_view"})
 
 CASE_TYPES: dict[str, type] = {"kernel": KernelCase, "wrapper": WrapperCase, "linear": LinearCase}
 Case = KernelCase | WrapperCase | LinearCase

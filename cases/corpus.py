@@ -134,6 +134,12 @@ CORPUS: tuple[Regression, ...] = (
                LinearCase(tp=2, T=4, H=64, v_local=32, frozen="weight", seed=24)),
     Regression("linear-frozen-trunk", "caller: frozen hidden states under a trained LM head: the weight's gradient "
                "must still come", "gradients", LinearCase(tp=2, T=6, H=8, v_local=5, frozen="hidden", seed=241)),
+    Regression("linear-hidden-shifted", "caller: the hidden states are h[:, :-1] of a [1, T + 1, H] decoder output "
+               "(a view with a spare row): the gradient must reach the caller's buffer", "gradients",
+               LinearCase(tp=2, T=6, H=8, v_local=5, chunk_size=4, hidden_view="shifted", seed=331)),
+    Regression("linear-hidden-seq-first", "caller: the hidden states are one batch element of Megatron's [T, B, H] "
+               "activation (rows 2H apart)", "gradients",
+               LinearCase(tp=1, T=5, H=12, v_local=7, dtype="bf16", hidden_view="seq_first", seed=332)),
     Regression("two-inputs-one-graph", "caller: two microbatches (or policy and reference rows) through two calls in "
                "one graph: state kept beside the routine instead of on ctx mixes them up", "gradients",
                KernelCase(tp=2, T=6, v_local=5, context="two_inputs", seed=242)),

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from cases.case import (CONTEXTS, CP_LAYOUTS, DRIFT, FROZEN, LAYOUTS, LINEAR_CONTEXTS, LINEAR_REGIMES, LOSS_TERMS,
-                        MASKS, REGIMES, TOKEN_LAYOUTS, TOP_P, KernelCase, LinearCase, WrapperCase)
+from cases.case import (CONTEXTS, CP_LAYOUTS, DRIFT, FROZEN, HIDDEN_VIEWS, LAYOUTS, LINEAR_CONTEXTS, LINEAR_REGIMES,
+                        LOSS_TERMS, MASKS, REGIMES, TOKEN_LAYOUTS, TOP_P, KernelCase, LinearCase, WrapperCase)
 
 TP_SIZES = (1, 2, 4)
 SEEDS = st.integers(0, 2**31 - 1)
@@ -155,10 +155,11 @@ def linear_cases(draw, tp=st.sampled_from(TP_SIZES), dtype=st.sampled_from(("fp3
     case = case.replace(frozen=frozen if case.requires_grad else FROZEN[0],
                         context=draw(st.one_of(st.just(LINEAR_CONTEXTS[0]), st.sampled_from(LINEAR_CONTEXTS))))
     deep = _deep(draw, case.tp, "linear")
-    if deep is None:
-        return case
-    return case.replace(**deep, H=draw(st.integers(1, 16)), v_local=draw(st.integers(1, 8)), regime=DRIFT,
-                        context="train")
+    if deep is not None:
+        case = case.replace(**deep, H=draw(st.integers(1, 16)), v_local=draw(st.integers(1, 8)), regime=DRIFT,
+                            context="train")
+    # Last of all, so every draw above is unchanged: the hidden states as a strided view about half the time.
+    return case.replace(hidden_view=draw(_mostly_first(HIDDEN_VIEWS)))
 
 
 LEVEL_STRATEGIES = {"kernel": kernel_cases, "wrapper": wrapper_cases, "linear": linear_cases}

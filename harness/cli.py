@@ -248,6 +248,8 @@ def cmd_repro(ns: argparse.Namespace, cfg: RunConfig) -> int:
         case = parse_case(ns.case)
     except (ValueError, TypeError) as e:
         raise UsageError(f"{e} (`python -m harness fields` lists every field and its values)") from None
+    if ns.repo is not None:
+        return history.repro_at_commit(ns)
     try:
         runner = Runner.for_run(cfg)
     except TargetError as e:
@@ -288,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          f"1 fail, {UNTESTABLE} untestable target (for `git bisect run`)")
     options.add_argparse(repro, ("target", "device", "collective_timeout", "case_timeout", "bitwise"))
     repro.add_argument("case", help="case spec, e.g. 'kernel:tp=2,T=5,v_local=4,...'")
+    history.add_repro_arguments(repro)
     repro.set_defaults(func=cmd_repro)
     for command in SUBCOMMANDS:
         command.register(sub)

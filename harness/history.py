@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import extras, options
+from harness.checks import all_checks
 from harness.errors import UsageError
 from harness.report import matrix
 from harness.report.render import environment
@@ -71,16 +73,47 @@ class Git:
             raise UsageError(f"git {' '.join(args)}: {proc.stderr.strip()}")
         return proc.stdout
 
-    def export(self, sha: str, dest: Path) -> None:
-        """The commit's tree into `dest`, through `git archive | tar` (no checkout, no index)."""
-        archive = subprocess.Popen(["git", "--git-dir", self.dir, "archive", sha], stdout=subprocess.PIPE)
+    def export(self, sha: str, dest: Path) -> list[str]:
+        """The commit's tree into `dest`, through `git archive | tar` (no checkout, no index). A
+        mirror may lack some blobs (large files left out of a snapshot): then the tree is written
+        blob by blob, those left out; their paths are returned (none when the archive worked)."""
+        archive = subprocess.Popen(["git", "--git-dir", self.dir, "archive", sha], stdout=subprocess.PIPE,
+                                   stderr=subprocess.DEVNULL)
         try:
-            subprocess.run(["tar", "-x", "-C", str(dest)], stdin=archive.stdout, check=True, timeout=600)
+            untar = subprocess.run(["tar", "-x", "-C", str(dest)], stdin=archive.stdout, capture_output=True,
+                                   timeout=600)
         finally:
             archive.stdout.close()
             archive.wait(timeout=60)
-        if archive.returncode:
-            raise RuntimeError(f"git archive {sha} exited {archive.returncode}")
+        if archive.returncode == 0 and untar.returncode == 0:
+            return []
+        return self._export_blobs(sha, dest)
+
+    def _export_blobs(self, sha: str, dest: Path) -> list[str]:
+        entries = [line.split("\t", 1) for line in self("ls-tree", "-r", "-z", sha).split("\0") if line]
+        blobs = [(meta.split(), path) for meta, path in entries if meta.split()[1] == "blob"]
+        cat = subprocess.run(["git", "--git-dir", self.dir, "cat-file", "--batch"],
+                             input="".join(f"{m[2]}\n" for m, _ in blobs).encode(), capture_output=True, timeout=600)
+        out, pos, absent = cat.stdout, 0, []
+        for (mode, _, _), path in blobs:
+            end = out.index(b"\n", pos)
+            header = out[pos:end].decode().split()
+            pos = end + 1
+            if header[-1] == "missing":
+                absent.append(path)
+                continue
+            size = int(header[2])
+            data, pos = out[pos:pos + size], pos + size + 1
+            target = dest / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if mode == "120000":
+                target.unlink(missing_ok=True)
+                target.symlink_to(data.decode())
+            else:
+                target.write_bytes(data)
+                if mode == "100755":
+                    target.chmod(0o755)
+        return absent
 
 
 def module_paths(git: Git, rev: str, module: str) -> list[str]:
@@ -129,7 +162,7 @@ def check_commit(git: Git, commit: Commit, ns: argparse.Namespace, workdir: Path
     start = time.perf_counter()
     try:
         git.export(commit.sha, tree)
-    except (RuntimeError, subprocess.SubprocessError) as e:
+    except (UsageError, subprocess.SubprocessError) as e:
         return Outcome("error", reason=f"cannot export the commit: {e}")
     out = workdir / f"{commit.short}.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tree), str(HARNESS_ROOT),
@@ -195,10 +228,34 @@ def run_all(git: Git, todo: list[Commit], ns: argparse.Namespace, workdir: Path)
     return outcomes
 
 
-def history_rows(commits_: list[Commit], outcomes: dict[str, Outcome]) -> list[dict[str, Any]]:
+def repro_line(repo: str, sha: str, target: str, case: str, device: str = "cpu") -> str:
+    """The `harness repro` line that re-runs `case` on commit `sha` of `repo`: it exports that
+    commit's tree itself, so the line works after the run (whose trees are gone) and never checks
+    the user's current checkout instead of the commit."""
+    dev = "" if device == "cpu" else f" --device {shlex.quote(device)}"
+    return (f"python -m harness repro --repo {shlex.quote(repo)} --commit {sha} --target {shlex.quote(target)}"
+            f"{dev} {shlex.quote(case)}")
+
+
+def lead_finding(result: dict[str, Any], checks: set[str]) -> dict[str, Any] | None:
+    """The finding a stretch is reported by: a shrunk (minimal) one of those checks when there is
+    one (the corpus's cases are not shrunk), new findings before known ones."""
+    for pool_ in (result.get("findings", []), result.get("known_findings", [])):
+        mine = [f for f in pool_ if f["check"] in checks]
+        if mine:
+            return next((f for f in mine if f.get("shrunk")), mine[0])
+    return None
+
+
+def history_rows(commits_: list[Commit], outcomes: dict[str, Outcome], repo: str = "", target: str = "",
+                 device: str = "cpu") -> list[dict[str, Any]]:
     """One row per commit: its cells (`report.matrix`'s), each marked `introduced` where the family
     fails after passing, `failing` where it fails on the first commit checked (it may be older), and
-    `fixed` where it passes after failing."""
+    `fixed` where it passes after failing. A failing cell's repro is its shrunk finding's, as a line
+    that exports the commit itself (`repro_line`)."""
+    families: dict[str, set[str]] = {}
+    for chk in all_checks().values():
+        families.setdefault(matrix.family(chk), set()).add(chk.name)
     rows: list[dict[str, Any]] = []
     failing: dict[str, bool] = {}
     for c in commits_:
@@ -215,6 +272,10 @@ def history_rows(commits_: list[Commit], outcomes: dict[str, Outcome]) -> list[d
                     row["cells"][fam] = cell
                     continue
                 fails = cell["state"] in ("finding", "known")
+                lead = lead_finding(r, families[fam]) if fails else None
+                if lead is not None:
+                    cell.update(case=lead["case"], check=lead["check"], shrunk=lead.get("shrunk", False),
+                                repro=repro_line(repo, c.sha, target, lead["case"], device))
                 if fails and fam not in failing:
                     cell["mark"] = "failing"
                 elif fails and not failing[fam]:
@@ -238,6 +299,8 @@ def transitions(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
                 open_[fam] = {"family": fam, "introduced": row["short"], "fixed": None,
                               "already_at_first": cell["mark"] == "failing",
                               "check": cell.get("check"), "repro": cell.get("repro")}
+                open_[fam]["case"] = cell.get("case")
+                open_[fam]["shrunk"] = cell.get("shrunk", False)
                 out.append(open_[fam])
             elif cell.get("mark") == "fixed" and fam in open_:
                 open_.pop(fam)["fixed"] = row["short"]
@@ -273,8 +336,9 @@ def render_markdown(h: dict[str, Any]) -> str:
     lines += ["", "| family | brought in by | fixed by | first finding's repro |", "|---|---|---|---|"]
     for t in h["transitions"]:
         came = f"`{t['introduced']}`" + (" (already at the first commit checked)" if t["already_at_first"] else "")
+        repro = (f"`{t['repro']}`" + ("" if t.get("shrunk") else " (not shrunk)")) if t["repro"] else "-"
         lines.append("| " + " | ".join(_md([t["family"], came, f"`{t['fixed']}`" if t["fixed"]
-                                            else "not fixed", f"`{t['repro']}`" if t["repro"] else "-"])) + " |")
+                                            else "not fixed", repro])) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -304,7 +368,7 @@ def cmd_history(ns: argparse.Namespace, cfg: options.RunConfig) -> int:
     for c in todo:
         if outcomes[c.sha].result is not None:
             (ns.out / f"{c.short}.json").write_text(json.dumps(outcomes[c.sha].result, indent=1))
-    rows = history_rows(listed, outcomes)
+    rows = history_rows(listed, outcomes, str(Path(ns.repo).resolve()), ns.target, ns.device)
     fams = [f for f in matrix.columns() if any(r["cells"].get(f, {}).get("state") in ("finding", "known")
                                                for r in rows)]
     h = {"repo": str(ns.repo), "target": ns.target, "paths": paths, "rev": rev, "since": ns.since,
@@ -321,6 +385,29 @@ def cmd_history(ns: argparse.Namespace, cfg: options.RunConfig) -> int:
     print(f"written: {ns.out / 'history.md'}, {ns.out / 'history.html'}, {ns.out / 'history.json'} "
           f"and each checked commit's JSON", file=sys.stderr)
     return 2 if any(o.status == "error" for o in outcomes.values()) else 0
+
+
+def add_repro_arguments(p: argparse.ArgumentParser) -> None:
+    """`harness repro --repo R --commit SHA`: the case on that commit's tree (`repro_at_commit`)."""
+    p.add_argument("--repo", type=Path, metavar="REPO",
+                   help="re-run the case on a commit of this git repository (a work tree or a bare one), "
+                        "exported into a temporary tree first on PYTHONPATH (as `harness history` checks it)")
+    p.add_argument("--commit", default="HEAD", metavar="REV", help="the commit of --repo (default: HEAD)")
+
+
+def repro_at_commit(ns: argparse.Namespace) -> int:
+    """`harness repro` in a process of its own on `--commit`'s tree (exported with `git archive`, put
+    first on PYTHONPATH, then this harness; deleted afterwards): its exit status, so `git bisect run`
+    and the 125 of an untestable commit work as without --repo."""
+    git = Git(ns.repo)
+    sha = git("rev-parse", f"{ns.commit}^{{commit}}").strip()
+    cmd = [sys.executable, "-m", "harness", "repro", "--target", ns.target, "--device", ns.device, ns.case]
+    with tempfile.TemporaryDirectory(prefix="harness-repro-") as tmp:
+        git.export(sha, Path(tmp))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [tmp, str(HARNESS_ROOT),
+                                                                        os.environ.get("PYTHONPATH")])))
+        print(f"[repro] {ns.repo} at {sha[:10]}", file=sys.stderr, flush=True)
+        return subprocess.run(cmd, cwd=tmp, env=env, check=False).returncode
 
 
 def register(sub: argparse._SubParsersAction) -> None:

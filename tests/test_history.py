@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -77,6 +78,26 @@ def test_history_finds_the_defect_and_the_fix(repo, tmp_path, capsys):
         <= h["transitions"][0].items()
     assert f"| `{shas['defect'][:10]}` |" in table and "FAILS FROM HERE" in table and "FIXED HERE" in table
     assert (out / f"{shas['defect'][:10]}.json").exists() and (out / "history.html").exists()
+    # The stretch's repro names the repository and the defect commit, and its case is the shrunk finding's.
+    stretch = h["transitions"][0]
+    assert stretch["shrunk"] and stretch["repro"].startswith(
+        f"python -m harness repro --repo {path} --commit {shas['defect']} --target lp ")
+    finding = next(f for f in json.loads((out / f"{shas['defect'][:10]}.json").read_text())["findings"]
+                   if f["shrunk"] and f["check"] == "gradients")
+    assert stretch["case"] == finding["case"] and shlex.split(stretch["repro"])[-1] == finding["case"]
+
+
+def test_history_repro_line_outlives_the_run_and_checks_its_commit(repo, tmp_path, capsys, monkeypatch):
+    """The printed line re-runs the commit's own tree after the run's trees are deleted, from a
+    directory whose `lp` is another version (the line must not import the user's checkout)."""
+    path, shas = repo
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "lp.py").write_text(ROUTINE.format(mutant=""))  # a clean `lp` where the user stands
+    line = f"python -m harness repro --repo {path} --commit {shas['defect']} --target lp {shlex.quote(CASE)}"
+    assert main(shlex.split(line)[3:]) == 1  # the defect commit fails, though ./lp.py is clean
+    assert main(shlex.split(line.replace(shas["defect"], shas["fix"]))[3:]) == 0
+    assert main(["repro", "--repo", str(path), "--commit", shas["readme"], "--target", "nosuchmodule", CASE]) \
+        == UNTESTABLE
 
 
 @pytest.mark.slow
@@ -160,3 +181,22 @@ def test_slime_first_fused_commit_is_checked_with_its_capability_inferred(tmp_pa
     (row,) = json.loads((out / "history.json").read_text())["rows"]
     assert row["status"] == "checked" and row["inferred"] == {"metric_only_entropy": False}
     assert row["levels"] == ["kernel", "wrapper"]
+
+
+def test_a_mirror_without_some_blobs_is_exported_without_them(tmp_path):
+    """Snapshots leave large files out: the commit's tree is written file by file, those left out."""
+    from harness.history import Git
+
+    repo = tmp_path / "mirror"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "lp.py").write_text("X = 1\n")
+    (repo / "big.svg").write_text("<svg/>" * 100)
+    _git(repo, "add", "lp.py", "big.svg")
+    _git(repo, "commit", "-q", "-m", "two files")
+    blob = _git(repo, "rev-parse", "HEAD:big.svg")
+    (repo / ".git" / "objects" / blob[:2] / blob[2:]).unlink()  # the blob the snapshot lacks
+    out = tmp_path / "tree"
+    out.mkdir()
+    assert Git(repo).export("HEAD", out) == ["big.svg"]
+    assert (out / "lp.py").read_text() == "X = 1\n" and not (out / "big.svg").exists()

@@ -178,9 +178,13 @@ def allowance(c: Any, meter: str) -> int:
     (hidden [T, H] and the weight shard [V_local, H]); beyond what the forward retains, each gradient
     asked for (an input that requires grad) its float32 accumulator, one float32 product of that
     size, and the result in the input's dtype. A frozen input's gradient gets nothing: a routine that
-    computes it anyway spends memory nobody asked for."""
+    computes it anyway spends memory nobody asked for. Hidden states handed over as a strided view
+    (`hidden_view`) may be copied contiguous (in their dtype and in float32), and their gradient
+    lands in the caller's larger buffer (its spare rows included)."""
     if isinstance(c, LinearCase):
         upcast = 0 if DTYPES[c.dtype] == DTYPES["fp32"] else 4 * c.H * (c.T + c.v_local)
+        if getattr(c, "hidden_view", "contiguous") != "contiguous":
+            upcast += (8 + DTYPES[c.dtype].itemsize) * (c.T + 1) * c.H
         if meter == "retained":
             return upcast
         per_entry = 8 + DTYPES[c.dtype].itemsize

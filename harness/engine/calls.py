@@ -70,6 +70,30 @@ def view_of(source: torch.Tensor, layout: str) -> torch.Tensor:
     return source
 
 
+def hidden_laid_out(h: torch.Tensor, view: str, requires_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(source, hidden)`: the caller's buffer (a leaf, requiring grad when asked) and the [T, H] hidden
+    states handed to the routine, a view of it as `view` says (cases.case.HIDDEN_VIEWS), with the
+    values of `h`; the buffer's other entries are filler the routine must not read."""
+    T, H = h.shape
+    if view == "shifted":  # h[:, :-1] of a [1, T + 1, H] decoder output, as [T, H]
+        source = torch.cat([h, _filler((1, H), h)]).unsqueeze(0)
+    elif view == "seq_first":  # batch element 1 of a sequence-first [T, 2, H] activation
+        source = torch.stack([_filler((T, H), h), h], dim=1)
+    elif view == "contiguous":
+        return h.requires_grad_(requires_grad), h
+    else:
+        raise ValueError(f"unknown hidden view {view!r}")
+    source.requires_grad_(requires_grad)
+    return source, hidden_view_of(source, T)
+
+
+def hidden_view_of(source: torch.Tensor, T: int) -> torch.Tensor:
+    """The [T, H] view `hidden_laid_out` hands over, from its buffer (or its gradient, from the buffer's)."""
+    if source.dim() == 3 and source.shape[0] == 1:  # shifted: [1, T + 1, H]
+        return source[:, :T][0]
+    return source.transpose(0, 1)[1]  # seq_first: [T, 2, H]
+
+
 def tokens_laid_out(tokens: torch.Tensor, layout: str) -> torch.Tensor:
     """int64 tokens as a view or a slice of a larger buffer (cases.case.TOKEN_LAYOUTS)."""
     if layout == "strided":
@@ -189,19 +213,27 @@ class LinearShard:
     """A fused-linear case's inputs on one rank: the hidden states (replicated), this rank's rows of
     the LM head, the tokens, and the upstream loss. Both tensors are leaves the caller owns; each
     requires grad as the case says (`LinearCase.hidden_grad`, `weight_grad`: a frozen one does not)."""
-    hidden: torch.Tensor
+    hidden: torch.Tensor  # what the routine gets: the caller's buffer `source`, or a view of it
     weight: torch.Tensor
     tokens: torch.Tensor
     w_log_prob: torch.Tensor | None
     w_entropy: torch.Tensor | None
+    source: torch.Tensor | None = None  # the caller's leaf when `hidden` is a view of it (`hidden_view`)
 
     @classmethod
     def of(cls, case: LinearCase, rank: int, device: torch.device) -> LinearShard:
         full = case.inputs()
         rows = slice(rank * case.v_local, (rank + 1) * case.v_local)
-        hidden = full.hidden.clone().to(device).requires_grad_(case.hidden_grad)
+        source, hidden = hidden_laid_out(full.hidden.clone().to(device), case.hidden_view, case.hidden_grad)
         weight = full.weight[rows].contiguous().to(device).requires_grad_(case.weight_grad)
-        return cls(hidden, weight, full.tokens.to(device), full.w_log_prob, full.w_entropy)
+        return cls(hidden, weight, full.tokens.to(device), full.w_log_prob, full.w_entropy,
+                   None if source is hidden else source)
+
+    def hidden_grad(self) -> torch.Tensor | None:
+        """The gradient w.r.t. the hidden states handed over, as accumulated in the caller's tensor."""
+        if self.source is None:
+            return self.hidden.grad
+        return None if self.source.grad is None else hidden_view_of(self.source.grad, self.hidden.shape[0])
 
     def call(self, target: Target, case: LinearCase, group: Any) -> tuple[Any, Any]:
         return target.linear(self.hidden, self.weight, self.tokens, group, **target.kwargs(

@@ -142,11 +142,11 @@ def run_linear(case: LinearCase, target: Target, rank: int, group: Any, device: 
     if isinstance(loss, torch.Tensor) and loss.requires_grad:
         with meter.backward():
             loss.backward()
-        meter.gradients(inp.weight.grad, inp.hidden.grad)
+        meter.gradients(inp.weight.grad, inp.hidden_grad())
         if other is not None:
-            obs.grad_2, obs.grad_hidden_2 = _detached(other.weight.grad), _detached(other.hidden.grad)
+            obs.grad_2, obs.grad_hidden_2 = _detached(other.weight.grad), _detached(other.hidden_grad())
         obs.grad, obs.grad_meta = _detached(inp.weight.grad), TensorMeta.of(inp.weight.grad)
-        obs.grad_hidden, obs.grad_hidden_meta = _detached(inp.hidden.grad), TensorMeta.of(inp.hidden.grad)
+        obs.grad_hidden, obs.grad_hidden_meta = _detached(inp.hidden_grad()), TensorMeta.of(inp.hidden_grad())
         obs.integrity += integrity.problems("backward")
     obs.memory = meter.figures
     obs.stage = "backward"

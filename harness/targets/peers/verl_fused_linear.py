@@ -13,6 +13,8 @@ anyway. `chunk_size <= 0` means verl's default, 512. The `impl_backend="torch"` 
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from harness.targets.peers._mpu import gather_vocab
@@ -28,7 +30,10 @@ def calculate_linear_log_probs_and_entropy(hidden, weight, tokens, tp_group, wit
     """Fused-linear level over verl: `(log_prob [T] float32, entropy [T] or None)`."""
     from verl.utils.experimental.torch_functional import FusedLinearForPPO
 
-    fused = FusedLinearForPPO(chunk_size=chunk_size if chunk_size > 0 else VERL_DEFAULT_CHUNK, impl_backend="torch")
+    chunk = chunk_size if chunk_size > 0 else VERL_DEFAULT_CHUNK
+    # verl's first forms (before its Triton backend) take no impl_backend: they are the torch path.
+    takes_backend = "impl_backend" in inspect.signature(FusedLinearForPPO.__init__).parameters
+    fused = FusedLinearForPPO(chunk_size=chunk, impl_backend="torch") if takes_backend else FusedLinearForPPO(chunk_size=chunk)
     tokens = tokens.reshape(-1).to(device=hidden.device, dtype=torch.long)
     log_prob, entropy = fused(hidden, gather_vocab(weight, tp_group, dim=0), tokens)
     return log_prob, entropy if with_entropy else None

@@ -1,0 +1,52 @@
+"""ms-swift's Megatron trainers' log-probs and entropy, `compute_logps_and_entropy_from_logits` (`swift/megatron/trainers/vocab_parallel_utils.py`).
+
+`compute_logps_and_entropy_from_logits(logits [B, S, V_local], labels [B, S], compute_entropy,
+entropy_chunk_size)`: a vocab-parallel log-softmax (max and sum-of-exp all-reduced over
+megatron-core's TP group, with `torch.distributed.all_reduce`), the target's log-prob gathered and
+all-reduced, and the entropy `-sum(p log p)` of the same log-softmax in chunks of
+`entropy_chunk_size` rows, all-reduced. Labels come aligned (ms-swift rolls them beforehand) and
+`-100` marks a masked label; the contract's tokens are all in the vocabulary. The adapter passes the
+logits as a `[1, T, V_local]` view and the tokens as `[1, T]` labels; `chunk_size <= 0` is
+ms-swift's default entropy chunk (512). Both outputs come in the logits' dtype; the entropy is
+differentiable whenever the logits are (no keep mask, no metric-only flag). The TP group comes from
+`parallel_state` (the adapter checks it is the harness's). No CP at this level.
+
+The file is loaded on its own (`_source`): `swift/__init__.py` and `swift/megatron/__init__.py`
+import transformers, peft and Megatron-LM's training code; `vocab_parallel_utils.py` needs torch
+and `megatron.core.mpu` only, so nothing is stubbed.
+"""
+from __future__ import annotations
+
+import torch
+
+from harness.targets.peers._mpu import parallel_state_group
+from harness.targets.peers._source import PeerSource, missing
+
+HOW = ("git clone https://github.com/modelscope/ms-swift && export PYTHONPATH=$PWD/ms-swift:$PYTHONPATH "
+       "(vocab_parallel_utils.py needs torch and megatron-core only)")
+SOURCE = PeerSource("ms-swift", files=("swift/megatron/trainers/vocab_parallel_utils.py",),
+                    markers=("swift/megatron",), how=HOW)
+HARNESS_CAPABILITIES = {"keep_mask": False, "metric_only_entropy": False}
+HARNESS_PEER = dict(requires=("megatron.core", "swift"), install=HOW, upstream=(
+    "swift.megatron.trainers.vocab_parallel_utils.compute_logps_and_entropy_from_logits",))
+SWIFT_DEFAULT_ENTROPY_CHUNK = 512
+
+_VP = SOURCE.load()  # None without ms-swift's tree on sys.path; RoutineMissing when this commit lacks the file
+if _VP is not None:
+    missing(SOURCE, _VP, "compute_logps_and_entropy_from_logits")
+
+
+def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
+                                    log_prob_keep_mask=None, with_entropy_grad=True):
+    """Level 1 kernel over ms-swift: `(log_prob [T], entropy [T] or None)`, in the logits' dtype."""
+    if log_prob_keep_mask is not None:
+        raise NotImplementedError("ms-swift takes no keep mask (HARNESS_CAPABILITIES['keep_mask'] is False)")
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [T, V_local], got {tuple(logits.shape)}")
+    vp = SOURCE.require(_VP)
+    parallel_state_group(tp_group, "ms-swift's vocab_parallel_utils")
+    labels = tokens.reshape(1, -1).to(device=logits.device, dtype=torch.long)
+    log_prob, entropy = vp.compute_logps_and_entropy_from_logits(
+        logits.unsqueeze(0), labels, compute_entropy=with_entropy,
+        entropy_chunk_size=chunk_size if chunk_size > 0 else SWIFT_DEFAULT_ENTROPY_CHUNK)
+    return log_prob.reshape(-1), entropy.reshape(-1) if entropy is not None else None

@@ -1,0 +1,81 @@
+"""prime-rl's chunked LM head, `FusedOutputLinear` (`src/prime_rl/trainer/models/layers/lm_head.py`), at the fused-linear level.
+
+`FusedOutputLinear(in_features, out_features, chunk_size)` replaces a model's `lm_head`; its
+`forward(hidden_states [B, S, H], labels [B, S], temperature)` returns the labels' log-probs and
+the entropy in float32 (a `PrimeLmOutput`: a dataclass in the first commits, a TypedDict later),
+computing the logits per chunk (of the vocabulary in the first commits, of the rows since prime-rl
+#1987) in its own autograd function, recomputed in the backward. The adapter calls the module
+as prime-rl's trainer does, through `torch.func.functional_call` with the case's LM head as its
+`weight` (so the gradient reaches the caller's tensor, and a frozen head stays frozen), the case's
+hidden states as a `[1, T, H]` view (`hidden.unsqueeze(0)`: a strided hidden stays strided), and a
+temperature of 1 in the form the commit's `forward` takes (a float, or a per-token tensor since
+prime-rl #1624). `chunk_size <= 0` is prime-rl's smallest useful chunk, all rows at once.
+
+The entropy is a metric in prime-rl: its backward asserts that no gradient reaches the entropy.
+With `with_entropy_grad=False` the adapter hands it back detached, as prime-rl's trainer uses it;
+with True it is returned as it is, and a loss through it is the known file's convention entry.
+prime-rl is not tensor-parallel (FSDP): at TP > 1 the adapter all-gathers the head's vocab shards
+(`_mpu.gather_vocab`). No keep mask.
+
+The file is loaded on its own (`_source`): `prime_rl`'s packages import its trainer's stack
+(transformers, its config system). Stubbed, because the routine never calls them:
+`prime_rl.utils.logger.get_logger` and `prime_rl.utils.vlm.get_final_logit_softcapping` (used by
+`inject_prime_lm_head`, which swaps a model's head; the adapter builds the head itself).
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from harness.targets.peers._mpu import gather_vocab
+from harness.targets.peers._source import PeerSource, missing
+
+HOW = ("git clone https://github.com/PrimeIntellect-ai/prime-rl && export PYTHONPATH=$PWD/prime-rl/src:$PYTHONPATH "
+       "(lm_head.py needs torch only)")
+
+
+def _unused(*_a, **_k):
+    raise RuntimeError("stubbed by the harness: the routine under test never calls this")
+
+
+SOURCE = PeerSource("prime-rl", files=("prime_rl/trainer/models/layers/lm_head.py",
+                                       "src/prime_rl/trainer/models/layers/lm_head.py"),
+                    markers=("prime_rl/trainer", "src/prime_rl/trainer"), how=HOW,
+                    stubs={"prime_rl.utils.logger": {"get_logger": _unused},
+                           "prime_rl.utils.vlm": {"get_final_logit_softcapping": _unused}})
+HARNESS_CAPABILITIES = {"keep_mask": False, "tensor_parallel": False}
+HARNESS_PEER = dict(requires=("prime_rl",), install=HOW,
+                    upstream=("prime_rl.trainer.models.layers.lm_head.FusedOutputLinear",))
+
+_LM = SOURCE.load()  # None without prime-rl's tree on sys.path; RoutineMissing when this commit lacks it
+if _LM is not None:
+    missing(SOURCE, _LM, "FusedOutputLinear")
+
+
+def _temperature(head: torch.nn.Module, like: torch.Tensor):
+    """1, as this commit's `forward` takes it: a float, or a per-token tensor [B, S]."""
+    annotation = str(inspect.signature(type(head).forward).parameters["temperature"].annotation)
+    return torch.ones(like.shape, dtype=torch.float32, device=like.device) if "Tensor" in annotation else 1.0
+
+
+def _field(out, name: str):
+    return out[name] if isinstance(out, dict) else getattr(out, name)
+
+
+def calculate_linear_log_probs_and_entropy(hidden, weight, tokens, tp_group, with_entropy=False, chunk_size=-1,
+                                           with_entropy_grad=True):
+    """Fused-linear level over prime-rl: `(log_prob [T] float32, entropy [T] float32 or None)`."""
+    lm = SOURCE.require(_LM)
+    full = gather_vocab(weight, tp_group, dim=0)
+    rows = hidden.shape[0]
+    head = lm.FusedOutputLinear(hidden.shape[1], full.shape[0], chunk_size if chunk_size > 0 else max(rows, 1))
+    head = head.to(device=hidden.device, dtype=full.dtype)
+    labels = tokens.reshape(1, -1).to(device=hidden.device, dtype=torch.long)
+    out = torch.func.functional_call(head, {"weight": full},
+                                     (hidden.unsqueeze(0), labels), {"temperature": _temperature(head, labels)})
+    log_prob, entropy = _field(out, "logprobs").reshape(-1), _field(out, "entropy")
+    if not with_entropy:
+        return log_prob, None
+    entropy = entropy.reshape(-1)
+    return log_prob, entropy if with_entropy_grad else entropy.detach()

@@ -1,0 +1,58 @@
+"""SkyRL's fused LM-head log-prob, `FusedLinearChunkedDistributedLogprob` (SkyRL #1841), at the fused-linear level.
+
+`FusedLinearChunkedDistributedLogprob.apply(hidden [B, S, H], weight [V_local, H], target [B, S],
+vocab_start, vocab_end, chunk_size, tp_group, inference_only)`: the log-prob of each row's target
+from the decoder's hidden states and this rank's LM-head shard, the logits recomputed per sequence
+chunk in a hand-written backward. The adapter hands it the case's hidden states as a `[1, T, H]`
+view (`hidden.unsqueeze(0)`, as SkyRL's worker passes its `[B, S, H]` decoder output): a strided
+hidden stays strided. `chunk_size <= 0` is one chunk of all rows.
+
+The function returns each TP rank's share of the hidden states' gradient (its vocab shard's
+`grad_logits @ weight`); SkyRL's worker sums the shares outside it: it runs Megatron with sequence
+parallelism whenever TP > 1 (`provider.sequence_parallel = tp > 1`), and its output processor
+all-gathers the hidden states with `gather_from_sequence_parallel_region(...,
+tensor_parallel_output_grad=True)`, whose backward reduce-scatters that gradient over the TP group.
+The harness hands every rank the whole (replicated) hidden states, so the adapter composes the
+function with megatron-core's `copy_to_tensor_model_parallel_region` (identity forward, the same
+sum in the backward), as Megatron's own output layer does without sequence parallelism.
+
+Log-probs only (`HARNESS_CAPABILITIES["entropy"]` False): SkyRL's fused entropy
+(`_fused_vocab_parallel_entropy_from_hidden`) is a metric written into a preallocated buffer that
+SkyRL calls under `no_grad`; the contract's entropy is differentiable on request, so it is not
+checked here. Commits before SkyRL #1841 have no fused routine: the adapter refuses them
+(`untestable`). The file is loaded as the `skyrl` adapter loads it (nothing stubbed).
+"""
+from __future__ import annotations
+
+import torch
+
+from harness.targets.peers._source import missing
+from harness.targets.peers.skyrl import _MU, HOW, SOURCE, _group, _inference_only, _mu
+
+HARNESS_CAPABILITIES = {"entropy": False, "keep_mask": False, "metric_only_entropy": False}
+HARNESS_PEER = dict(requires=("megatron.core", "skyrl"), install=HOW, upstream=(
+    "skyrl.backends.skyrl_train.distributed.megatron.model_utils.FusedLinearChunkedDistributedLogprob",))
+
+if _MU is not None:
+    missing(SOURCE, _MU, "FusedLinearChunkedDistributedLogprob")
+
+
+def calculate_linear_log_probs_and_entropy(hidden, weight, tokens, tp_group, with_entropy=False, chunk_size=-1,
+                                           with_entropy_grad=True):
+    """Fused-linear level over SkyRL: `(log_prob [T] float32, None)`."""
+    if with_entropy:
+        raise NotImplementedError("SkyRL's fused entropy is a no-grad metric (HARNESS_CAPABILITIES['entropy'] is False)")
+    mu = _mu()
+    group, rank = _group(tp_group)
+    v_local = weight.shape[0]
+    start = rank * v_local
+    chunk = chunk_size if chunk_size > 0 else max(hidden.shape[0], 1)
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+    h = hidden.unsqueeze(0)  # [1, T, H]: a view of the caller's hidden states, strided when they are
+    if group.size() > 1 and h.requires_grad:
+        h = copy_to_tensor_model_parallel_region(h)  # SkyRL's caller's sum of the TP ranks' hidden gradients
+    target = tokens.reshape(1, -1).to(device=hidden.device, dtype=torch.long)
+    log_prob = mu.FusedLinearChunkedDistributedLogprob.apply(h, weight, target, start, start + v_local, chunk, group,
+                                                             _inference_only(hidden) and _inference_only(weight))
+    return log_prob.reshape(-1), None
