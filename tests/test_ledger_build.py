@@ -61,3 +61,22 @@ def test_python_is_chosen_without_a_build_and_cpp_insists(tmp_path: Path) -> Non
     assert not any(tmp_path.iterdir())  # nothing was built, or tried
     insisted = _probe(tmp_path, HARNESS_LEDGER="cpp")
     assert insisted.returncode != 0 and "HARNESS_LEDGER=cpp, but the C++ memory ledger does not build" in insisted.stderr
+
+
+def test_a_lock_left_by_a_killed_build_does_not_block(tmp_path: Path) -> None:
+    """torch waits forever on its build lock; one left behind by a killed build is removed, since every
+    live build of ours holds the flock while torch's lock exists."""
+    stale = tmp_path / ledger_build.extension_name() / "lock"
+    stale.parent.mkdir(parents=True)
+    stale.touch()
+    run = _probe(tmp_path)
+    assert run.returncode == 0 and run.stdout.strip() == "python", run.stderr[-2000:]
+    assert "the C++ memory ledger does not build (" in run.stderr
+
+
+def test_each_checkout_names_its_own_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    here = ledger_build.extension_name()
+    copy = tmp_path / "ledger.cpp"
+    copy.write_bytes(ledger_build.SOURCE.read_bytes())
+    monkeypatch.setattr(ledger_build, "SOURCE", copy)
+    assert ledger_build.extension_name() != here

@@ -6,10 +6,16 @@ one (`memory.ModeLedger`, the reference the C++ one is held to) where it does no
 The build is cached per environment: its name hashes the source with the torch version, the Python
 version and the environment's prefix (`sys.prefix`). Two virtual environments on one machine (two tox
 envs, two CI jobs) each build theirs once and never rebuild each other's, as they would under one
-name: torch rebuilds an extension whose build flags (its own include paths) changed.
+name: torch rebuilds an extension whose build flags (its own include paths) changed. The source's
+path is in the key too, so two checkouts sharing one environment do not rebuild each other's either.
+
+Builds of one name are serialised by an `flock`, which the kernel releases when its holder dies.
+Holding it, a torch build lock (`lock` in the build directory) can only be one a killed build left
+behind, and is removed: torch would otherwise wait on it forever.
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
@@ -37,7 +43,7 @@ def extension_name() -> str:
     import torch
 
     key = b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(), sys.version.encode(),
-                      os.path.realpath(sys.prefix).encode()])
+                      os.path.realpath(sys.prefix).encode(), str(SOURCE.resolve()).encode()])
     return "harness_ledger_" + hashlib.sha1(key).hexdigest()[:16]
 
 
@@ -77,8 +83,11 @@ def compiled() -> type | None:
         where.mkdir(parents=True, exist_ok=True)
         # NDEBUG as torch's release builds have it: without it, RecordFunction's inline accessors
         # assert on state that only a debug build of torch keeps.
-        module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=["-O2", "-DNDEBUG"],
-                                    build_directory=str(where), verbose=False)
+        with open(where / "harness.flock", "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            (where / "lock").unlink(missing_ok=True)
+            module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=["-O2", "-DNDEBUG"],
+                                        build_directory=str(where), verbose=False)
     except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as e:
         if not built:
             print(" failed", file=sys.stderr, flush=True)
