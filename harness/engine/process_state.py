@@ -1,0 +1,190 @@
+"""The process-global state a trainer relies on, watched around every call and backward on a rank.
+
+A routine runs inside the trainer's process: a default dtype it leaves at float64, grad mode it
+leaves off, a thread count it changes or a draw from the global RNG (which shifts the trainer's
+dropout stream) is a defect of the routine even when every number it returns is right. Each
+watched window (`watched("kernel forward")`, `watched("backward")`) takes a snapshot before and
+after; a difference is recorded as a finding (the setting, its values before and after, the
+window) and the state is put back at once, so that the rest of the case, later cases in the same
+worker process and the other checks see the state the case began with. A routine that restores
+what it changed (RNG use inside `torch.random.fork_rng`, a `set_default_dtype` undone before it
+returns) leaves no difference and no finding. docs/side-effects.md lists the settings and why.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # as findings name it
+    get: Callable[[], Any]
+    set: Callable[[Any], None] | None  # None: cannot be put back in this process (the finding says so)
+    why: str = ""  # what a trainer loses, said once in the finding
+
+
+def _default_group() -> Any:
+    """The default process group's identity: None when torch.distributed is not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.distributed_c10d._get_default_group()
+
+
+def _fmt_group(g: Any) -> str:
+    return "not initialised" if g is None else f"{type(g).__name__} of {g.size()} ranks at {id(g):#x}"
+
+
+_held_inference: list[Any] = []  # guards that keep inference mode off after a routine left it on
+
+
+def _set_inference_mode(on: bool) -> None:
+    # Inference mode is thread-local state set by an RAII guard, with no plain setter: a guard is
+    # created and kept, which sets it for this thread from now on.
+    _held_inference.append(torch._C._InferenceMode(on))
+
+
+def _set_deterministic(mode: tuple[bool, bool]) -> None:
+    torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
+
+
+def _attr(obj: Any, name: str) -> Setting:
+    path = f"{obj.__name__}.{name}" if hasattr(obj, "__name__") else name
+    return Setting(path, lambda: getattr(obj, name), lambda v: setattr(obj, name, v))
+
+
+def _cpu_settings() -> list[Setting]:
+    out = [
+        Setting("default dtype", torch.get_default_dtype, torch.set_default_dtype,
+                "every tensor the trainer creates afterwards without a dtype takes it"),
+        Setting("default device", torch.get_default_device, torch.set_default_device),
+        Setting("grad mode", torch.is_grad_enabled, torch.set_grad_enabled,
+                "the trainer's next forward builds no graph"),
+        Setting("inference mode", torch.is_inference_mode_enabled, _set_inference_mode),
+        Setting("anomaly mode", lambda: (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+                lambda v: torch.set_anomaly_enabled(*v)),
+        Setting("intra-op threads", torch.get_num_threads, torch.set_num_threads,
+                "every later op of the trainer runs on that many threads"),
+        # Settable once per process, before any parallel work: a routine cannot change it without
+        # raising, but a finding that names it is cheaper than a puzzle if one ever does.
+        Setting("inter-op threads", torch.get_num_interop_threads, None),
+        Setting("deterministic algorithms",
+                lambda: (torch.are_deterministic_algorithms_enabled(),
+                         torch.is_deterministic_algorithms_warn_only_enabled()), _set_deterministic),
+        Setting("float32 matmul precision", torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+        Setting("CPU RNG state", torch.get_rng_state, torch.set_rng_state,
+                "the global generator advanced: a trainer's dropout and sampling stream shifts with the "
+                "routine's settings; draw inside torch.random.fork_rng() or from a torch.Generator of its own"),
+    ]
+    matmul = torch.backends.cuda.matmul
+    for name in ("allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction"):
+        if hasattr(matmul, name):
+            out.append(_attr(matmul, name))
+    # The precision API of torch >= 2.9; the legacy allow_tf32 flags are views of it (and reading
+    # them after the new API was used raises), so only the new one is read where it exists.
+    if hasattr(matmul, "fp32_precision"):
+        out += [Setting("torch.backends.cuda.matmul.fp32_precision", lambda: matmul.fp32_precision,
+                        lambda v: setattr(matmul, "fp32_precision", v)),
+                Setting("torch.backends.fp32_precision", lambda: torch.backends.fp32_precision,
+                        lambda v: setattr(torch.backends, "fp32_precision", v))]
+    else:
+        out.append(Setting("torch.backends.cuda.matmul.allow_tf32", lambda: matmul.allow_tf32,
+                           lambda v: setattr(matmul, "allow_tf32", v)))
+    cudnn = torch.backends.cudnn
+    out += [Setting(f"torch.backends.cudnn.{n}", lambda n=n: getattr(cudnn, n), lambda v, n=n: setattr(cudnn, n, v))
+            for n in ("deterministic", "benchmark")]
+    out.append(Setting("torch.distributed default group", _default_group, None,
+                       "the trainer's collectives ran on that group"))
+    return out
+
+
+def _cuda_settings() -> list[Setting]:
+    return [
+        Setting("current CUDA device", torch.cuda.current_device, torch.cuda.set_device),
+        Setting("current CUDA stream", torch.cuda.current_stream, torch.cuda.set_stream,
+                "the trainer's next kernels are queued on that stream"),
+        Setting("CUDA RNG state", torch.cuda.get_rng_state, torch.cuda.set_rng_state,
+                "the device generator advanced: a trainer's dropout stream shifts"),
+    ]
+
+
+def settings(device: torch.device) -> list[Setting]:
+    return _cpu_settings() + (_cuda_settings() if device.type == "cuda" else [])
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a is b or a == b
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return "a state"
+    if isinstance(value, dist.ProcessGroup) or value is None:
+        return _fmt_group(value)
+    return repr(value)
+
+
+class Watch:
+    """The windows of one case on one rank: the findings its calls left, each said once."""
+
+    def __init__(self, device: torch.device, level: str):
+        self.settings, self.level = settings(device), level
+        self.getters = tuple(s.get for s in self.settings)
+        self.findings: list[str] = []
+
+    def snapshot(self) -> list[Any]:
+        return [get() for get in self.getters]
+
+    @contextlib.contextmanager
+    def window(self, what: str) -> Iterator[None]:
+        before = self.snapshot()
+        try:
+            yield
+        finally:
+            after = self.snapshot()
+            if not all(map(_same, before, after)):
+                self._record_and_restore(what, before, after)
+
+    def _record_and_restore(self, what: str, before: list[Any], after: list[Any]) -> None:
+        for s, b, a in zip(self.settings, before, after):
+            if _same(b, a):
+                continue
+            if s.set is None:
+                done = "cannot be restored in this process"
+            else:
+                try:
+                    s.set(b)
+                    done = "restored by the harness"
+                except Exception as e:  # noqa: BLE001 - a setting that refuses is reported, not raised
+                    done = f"could not be restored ({type(e).__name__}: {e})"
+            change = "changed" if isinstance(b, torch.Tensor) else f"{_fmt(b)} -> {_fmt(a)}"
+            why = f"; {s.why}" if s.why else ""
+            msg = f"{s.name} {change} after the {what} and not restored by the routine{why} ({done})"
+            if msg not in self.findings:
+                self.findings.append(msg)
+
+
+_active: Watch | None = None
+
+
+@contextlib.contextmanager
+def watching(device: torch.device, level: str) -> Iterator[Watch]:
+    """The watch of one case on this rank: every `watched` window inside it reports to it."""
+    global _active
+    previous, _active = _active, Watch(device, level)
+    try:
+        yield _active
+    finally:
+        _active = previous
+
+
+def watched(what: str) -> Any:
+    """A window around one call or backward ("kernel forward", "backward"); nothing outside a
+    case's watch (a timing job's calls are timed bare)."""
+    return _active.window(what) if _active is not None else contextlib.nullcontext()
