@@ -13,6 +13,7 @@ returns) leaves no difference and no finding. docs/side-effects.md lists the set
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -52,9 +53,40 @@ def _set_deterministic(mode: tuple[bool, bool]) -> None:
     torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
 
 
-def _attr(obj: Any, name: str) -> Setting:
-    path = f"{obj.__name__}.{name}" if hasattr(obj, "__name__") else name
-    return Setting(path, lambda: getattr(obj, name), lambda v: setattr(obj, name, v))
+# The precision settings of float32 matmuls and convolutions: the legacy global one, and those of
+# torch >= 2.9 per backend (`torch.backends.<path>.fp32_precision`, the legacy allow_tf32 flags are
+# views of them). One setting, for one call changes several at once.
+_PRECISION_PATHS = tuple(p for p in ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn", "mkldnn.matmul",
+                                     "mkldnn.conv", "mkldnn.rnn")
+                         if hasattr(functools.reduce(getattr, [x for x in p.split(".") if x], torch.backends),
+                                    "fp32_precision"))
+_REDUCTIONS = tuple(n for n in ("allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction")
+                    if hasattr(torch.backends.cuda.matmul, n))
+
+
+def _backend(path: str) -> Any:
+    return functools.reduce(getattr, [x for x in path.split(".") if x], torch.backends)
+
+
+def _precision() -> tuple[tuple[str, Any], ...]:
+    try:
+        legacy: Any = torch.get_float32_matmul_precision()
+    except RuntimeError:  # raises once the legacy and the per-backend settings were both used
+        legacy = "unreadable (legacy and per-backend settings mixed)"
+    return ((("float32_matmul_precision", legacy),)
+            + tuple((f"torch.backends.{p + '.' if p else ''}fp32_precision", _backend(p).fp32_precision)
+                    for p in _PRECISION_PATHS)
+            + tuple((f"torch.backends.cuda.matmul.{n}", getattr(torch.backends.cuda.matmul, n)) for n in _REDUCTIONS))
+
+
+def _set_precision(value: tuple[tuple[str, Any], ...]) -> None:
+    settings = dict(value)
+    legacy = settings.pop("float32_matmul_precision")
+    if not legacy.startswith("unreadable"):
+        torch.set_float32_matmul_precision(legacy)  # first: it sets the per-backend ones too
+    for name, v in settings.items():
+        path, _, attr = name.removeprefix("torch.backends").lstrip(".").rpartition(".")
+        setattr(_backend(path), attr, v)
 
 
 def _cpu_settings() -> list[Setting]:
@@ -75,25 +107,12 @@ def _cpu_settings() -> list[Setting]:
         Setting("deterministic algorithms",
                 lambda: (torch.are_deterministic_algorithms_enabled(),
                          torch.is_deterministic_algorithms_warn_only_enabled()), _set_deterministic),
-        Setting("float32 matmul precision", torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
         Setting("CPU RNG state", torch.get_rng_state, torch.set_rng_state,
                 "the global generator advanced: a trainer's dropout and sampling stream shifts with the "
                 "routine's settings; draw inside torch.random.fork_rng() or from a torch.Generator of its own"),
     ]
-    matmul = torch.backends.cuda.matmul
-    for name in ("allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction"):
-        if hasattr(matmul, name):
-            out.append(_attr(matmul, name))
-    # The precision API of torch >= 2.9; the legacy allow_tf32 flags are views of it (and reading
-    # them after the new API was used raises), so only the new one is read where it exists.
-    if hasattr(matmul, "fp32_precision"):
-        out += [Setting("torch.backends.cuda.matmul.fp32_precision", lambda: matmul.fp32_precision,
-                        lambda v: setattr(matmul, "fp32_precision", v)),
-                Setting("torch.backends.fp32_precision", lambda: torch.backends.fp32_precision,
-                        lambda v: setattr(torch.backends, "fp32_precision", v))]
-    else:
-        out.append(Setting("torch.backends.cuda.matmul.allow_tf32", lambda: matmul.allow_tf32,
-                           lambda v: setattr(matmul, "allow_tf32", v)))
+    out.append(Setting("matmul precision", _precision, _set_precision,
+                       "the trainer's float32 matmuls and convolutions run at that precision"))
     cudnn = torch.backends.cudnn
     out += [Setting(f"torch.backends.cudnn.{n}", lambda n=n: getattr(cudnn, n), lambda v, n=n: setattr(cudnn, n, v))
             for n in ("deterministic", "benchmark")]
@@ -164,6 +183,8 @@ class Watch:
                 except Exception as e:  # noqa: BLE001 - a setting that refuses is reported, not raised
                     done = f"could not be restored ({type(e).__name__}: {e})"
             change = "changed" if isinstance(b, torch.Tensor) else f"{_fmt(b)} -> {_fmt(a)}"
+            if s.name == "matmul precision":
+                change = ", ".join(f"{n} {v!r} -> {w!r}" for (n, v), (_, w) in zip(b, a) if v != w)
             why = f"; {s.why}" if s.why else ""
             msg = f"{s.name} {change} after the {what} and not restored by the routine{why} ({done})"
             if msg not in self.findings:
