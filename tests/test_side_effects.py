@@ -45,6 +45,9 @@ def _leave(change) -> list[str]:
     (lambda: torch.set_float32_matmul_precision("medium"), "matmul precision float32_matmul_precision 'highest' -> 'medium'"),
     (lambda: setattr(torch.backends.cuda.matmul, "fp32_precision", "tf32"), "matmul precision "),
     (lambda: torch.set_anomaly_enabled(True), "anomaly mode"),
+    (lambda: setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", False),
+     "matmul precision allow_bf16_reduced_precision_reduction (True, True) -> (False, True)"),
+    (lambda: torch.set_default_device("meta"), "default device none set -> device(type='meta')"),
     (lambda: _KEPT.append(torch.inference_mode()) or _KEPT[-1].__enter__(), "inference mode False -> True"),
 ])
 def test_each_leak_is_named_with_its_values_and_the_call_and_is_restored(change, named):
@@ -55,7 +58,7 @@ def test_each_leak_is_named_with_its_values_and_the_call_and_is_restored(change,
     assert len(ours) == 1 and len(findings) <= 2, findings
     assert "after the kernel forward" in ours[0] and "(restored by the harness)" in ours[0]
     after = process_state.Watch(CPU, "kernel").snapshot()
-    assert all(map(process_state._same, before, after)), "the harness put the state back"
+    assert before == after, "the harness put the state back"
 
 
 def test_what_a_routine_restores_itself_is_no_finding():

@@ -23,9 +23,9 @@ def _only_at_cp(ev: Evidence, run) -> str:
         return ""
     if _crashed(run(ev.case.replace(cp=1, cp_layout="zigzag"))):
         return ""
-    return (f"it raised only at CP > 1 (the same case at CP 1 runs): a wrapper without context parallelism "
-            f"declares so in its module, `HARNESS_CAPABILITIES = {{\"context_parallel\": False}}`, and is then "
-            f"checked at CP 1 only")
+    return ("it raised only at CP > 1 (the same case at CP 1 runs): a wrapper without context parallelism "
+            "declares so in its module, `HARNESS_CAPABILITIES = {\"context_parallel\": False}`, and is then "
+            "checked at CP 1 only")
 
 
 @check("crash", levels=CALL_LEVELS, applies=lambda c, t: c.T > 0, needs=None, explain=_only_at_cp)

@@ -13,7 +13,6 @@ returns) leaves no difference and no finding. docs/side-effects.md lists the set
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -27,6 +26,7 @@ class Setting:
     get: Callable[[], Any]
     set: Callable[[Any], None] | None  # None: cannot be put back in this process (the finding says so)
     why: str = ""  # what a trainer loses, said once in the finding
+    fmt: Callable[[Any], str] = repr
 
 
 def _default_group() -> Any:
@@ -43,6 +43,11 @@ def _fmt_group(g: Any) -> str:
 _held_inference: list[Any] = []  # guards that keep inference mode off after a routine left it on
 
 
+def _state_tensor(state: bytes) -> torch.Tensor:
+    # A generator's state is kept as bytes: a snapshot is then compared at the speed of bytes.
+    return torch.frombuffer(bytearray(state), dtype=torch.uint8)
+
+
 def _set_inference_mode(on: bool) -> None:
     # Inference mode is thread-local state set by an RAII guard, with no plain setter: a guard is
     # created and kept, which sets it for this thread from now on.
@@ -53,19 +58,18 @@ def _set_deterministic(mode: tuple[bool, bool]) -> None:
     torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
 
 
-# The precision settings of float32 matmuls and convolutions: the legacy global one, and those of
-# torch >= 2.9 per backend (`torch.backends.<path>.fp32_precision`, the legacy allow_tf32 flags are
-# views of them). One setting, for one call changes several at once.
-_PRECISION_PATHS = tuple(p for p in ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn", "mkldnn.matmul",
-                                     "mkldnn.conv", "mkldnn.rnn")
-                         if hasattr(functools.reduce(getattr, [x for x in p.split(".") if x], torch.backends),
-                                    "fp32_precision"))
-_REDUCTIONS = tuple(n for n in ("allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction")
-                    if hasattr(torch.backends.cuda.matmul, n))
-
-
-def _backend(path: str) -> Any:
-    return functools.reduce(getattr, [x for x in path.split(".") if x], torch.backends)
+# The precision settings of float32 matmuls and convolutions: the legacy global one and, in torch
+# >= 2.9, one per (backend, op) (`torch.backends.<backend>[.<op>].fp32_precision`; the legacy
+# allow_tf32 flags are views of them), read through torch's own accessor, without the attribute
+# machinery around it. One setting, for one call changes several at once.
+_PER_BACKEND = (("generic", "all"), ("cuda", "matmul"), ("cuda", "all"), ("cuda", "conv"), ("cuda", "rnn"),
+                ("mkldnn", "all"), ("mkldnn", "matmul"), ("mkldnn", "conv"), ("mkldnn", "rnn"))
+_PER_BACKEND_NAMES = tuple(f"fp32_precision({b}, {o})" for b, o in _PER_BACKEND)
+_get_precision = getattr(torch._C, "_get_fp32_precision_getter", None)
+# The reduced-precision reductions of float16/bfloat16 matmuls, read through torch's accessors.
+_REDUCTIONS = tuple((n, getattr(torch._C, f"_get_cublas_allow_{n}"), getattr(torch._C, f"_set_cublas_allow_{n}"))
+                    for n in ("fp16_reduced_precision_reduction", "bf16_reduced_precision_reduction")
+                    if hasattr(torch._C, f"_get_cublas_allow_{n}"))
 
 
 def _precision() -> tuple[tuple[str, Any], ...]:
@@ -73,10 +77,9 @@ def _precision() -> tuple[tuple[str, Any], ...]:
         legacy: Any = torch.get_float32_matmul_precision()
     except RuntimeError:  # raises once the legacy and the per-backend settings were both used
         legacy = "unreadable (legacy and per-backend settings mixed)"
-    return ((("float32_matmul_precision", legacy),)
-            + tuple((f"torch.backends.{p + '.' if p else ''}fp32_precision", _backend(p).fp32_precision)
-                    for p in _PRECISION_PATHS)
-            + tuple((f"torch.backends.cuda.matmul.{n}", getattr(torch.backends.cuda.matmul, n)) for n in _REDUCTIONS))
+    per_backend = (tuple(zip(_PER_BACKEND_NAMES, [_get_precision(b, o) for b, o in _PER_BACKEND]))
+                   if _get_precision is not None else (("allow_tf32", torch.backends.cuda.matmul.allow_tf32),))
+    return (("float32_matmul_precision", legacy), *per_backend, *((f"allow_{n}", get()) for n, get, _ in _REDUCTIONS))
 
 
 def _set_precision(value: tuple[tuple[str, Any], ...]) -> None:
@@ -84,16 +87,33 @@ def _set_precision(value: tuple[tuple[str, Any], ...]) -> None:
     legacy = settings.pop("float32_matmul_precision")
     if not legacy.startswith("unreadable"):
         torch.set_float32_matmul_precision(legacy)  # first: it sets the per-backend ones too
-    for name, v in settings.items():
-        path, _, attr = name.removeprefix("torch.backends").lstrip(".").rpartition(".")
-        setattr(_backend(path), attr, v)
+    if _get_precision is not None:
+        for key, name in zip(_PER_BACKEND, _PER_BACKEND_NAMES):
+            torch._C._set_fp32_precision_setter(*key, settings[name])
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = settings["allow_tf32"]
+    for n, _, set_ in _REDUCTIONS:
+        value = settings[f"allow_{n}"]
+        if isinstance(value, tuple):  # (allowed, allowed with split-K), in torch >= 2.7
+            set_(*value)
+        else:
+            set_(value)
+
+
+def _default_device() -> Any:
+    # What torch.set_default_device set (None: none), read where it keeps it: get_default_device()
+    # walks the function-mode stack and costs more than every other setting together.
+    return getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None) and \
+        torch._GLOBAL_DEVICE_CONTEXT.device_context.device
 
 
 def _cpu_settings() -> list[Setting]:
     out = [
         Setting("default dtype", torch.get_default_dtype, torch.set_default_dtype,
                 "every tensor the trainer creates afterwards without a dtype takes it"),
-        Setting("default device", torch.get_default_device, torch.set_default_device),
+        Setting("default device", _default_device if hasattr(torch, "_GLOBAL_DEVICE_CONTEXT") else torch.get_default_device,
+                torch.set_default_device, "every tensor the trainer creates afterwards without a device goes there",
+                lambda d: "none set" if d is None else repr(d)),
         Setting("grad mode", torch.is_grad_enabled, torch.set_grad_enabled,
                 "the trainer's next forward builds no graph"),
         Setting("inference mode", torch.is_inference_mode_enabled, _set_inference_mode),
@@ -107,7 +127,8 @@ def _cpu_settings() -> list[Setting]:
         Setting("deterministic algorithms",
                 lambda: (torch.are_deterministic_algorithms_enabled(),
                          torch.is_deterministic_algorithms_warn_only_enabled()), _set_deterministic),
-        Setting("CPU RNG state", torch.get_rng_state, torch.set_rng_state,
+        Setting("CPU RNG state", lambda: torch.get_rng_state().numpy().tobytes(),
+                lambda v: torch.set_rng_state(_state_tensor(v)),
                 "the global generator advanced: a trainer's dropout and sampling stream shifts with the "
                 "routine's settings; draw inside torch.random.fork_rng() or from a torch.Generator of its own"),
     ]
@@ -117,7 +138,7 @@ def _cpu_settings() -> list[Setting]:
     out += [Setting(f"torch.backends.cudnn.{n}", lambda n=n: getattr(cudnn, n), lambda v, n=n: setattr(cudnn, n, v))
             for n in ("deterministic", "benchmark")]
     out.append(Setting("torch.distributed default group", _default_group, None,
-                       "the trainer's collectives ran on that group"))
+                       "the trainer's collectives ran on that group", _fmt_group))
     return out
 
 
@@ -126,27 +147,14 @@ def _cuda_settings() -> list[Setting]:
         Setting("current CUDA device", torch.cuda.current_device, torch.cuda.set_device),
         Setting("current CUDA stream", torch.cuda.current_stream, torch.cuda.set_stream,
                 "the trainer's next kernels are queued on that stream"),
-        Setting("CUDA RNG state", torch.cuda.get_rng_state, torch.cuda.set_rng_state,
+        Setting("CUDA RNG state", lambda: torch.cuda.get_rng_state().numpy().tobytes(),
+                lambda v: torch.cuda.set_rng_state(_state_tensor(v)),
                 "the device generator advanced: a trainer's dropout stream shifts"),
     ]
 
 
 def settings(device: torch.device) -> list[Setting]:
     return _cpu_settings() + (_cuda_settings() if device.type == "cuda" else [])
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    return a is b or a == b
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return "a state"
-    if isinstance(value, dist.ProcessGroup) or value is None:
-        return _fmt_group(value)
-    return repr(value)
 
 
 class Watch:
@@ -167,12 +175,12 @@ class Watch:
             yield
         finally:
             after = self.snapshot()
-            if not all(map(_same, before, after)):
+            if before != after:  # plain values: one comparison in C for the common case
                 self._record_and_restore(what, before, after)
 
     def _record_and_restore(self, what: str, before: list[Any], after: list[Any]) -> None:
         for s, b, a in zip(self.settings, before, after):
-            if _same(b, a):
+            if b == a:
                 continue
             if s.set is None:
                 done = "cannot be restored in this process"
@@ -182,7 +190,7 @@ class Watch:
                     done = "restored by the harness"
                 except Exception as e:  # noqa: BLE001 - a setting that refuses is reported, not raised
                     done = f"could not be restored ({type(e).__name__}: {e})"
-            change = "changed" if isinstance(b, torch.Tensor) else f"{_fmt(b)} -> {_fmt(a)}"
+            change = "changed" if isinstance(b, bytes) else f"{s.fmt(b)} -> {s.fmt(a)}"
             if s.name == "matmul precision":
                 change = ", ".join(f"{n} {v!r} -> {w!r}" for (n, v), (_, w) in zip(b, a) if v != w)
             why = f"; {s.why}" if s.why else ""
