@@ -66,20 +66,26 @@ def collectives(ev: Evidence) -> list[str]:
     """Every rank issues the same sequence of collectives (op, group size, shape, dtype) as its TP
     peers; at CP > 1 also the same collectives over groups of the CP size as its CP peers (the TP
     groups are disjoint, so their data-dependent collectives may differ; when the TP and CP sizes
-    are equal the two cannot be told apart, and a CP peer's extra collective is `hang`'s finding)."""
-    problems = [p for group in ev.groups() for p in _diverge(group, lambda r: r.trace)]
+    are equal the two cannot be told apart, and a CP peer's extra collective is `hang`'s finding).
+    A rank that raised or died stopped issuing collectives where it failed: then only the sequences
+    up to the shortest are compared, and the rest is `crash`'s."""
+    stopped = bool(_crashed(ev))
+    problems = [p for group in ev.groups() for p in _diverge(group, lambda r: r.trace, stopped=stopped)]
     cp = getattr(ev.case, "cp", 1)
     if cp > 1 and cp != ev.case.tp:
         peers: dict[tuple[int, int], list] = {}
         for r in ev.ranks:
             peers.setdefault((r.replica, r.rank), []).append(r)
         for ranks in peers.values():
-            problems += _diverge(ranks, lambda r: [e for e in r.trace if e[1] == cp], f" over groups of {cp} ranks")
+            problems += _diverge(ranks, lambda r: [e for e in r.trace if e[1] == cp], f" over groups of {cp} ranks",
+                                 stopped)
     return problems
 
 
-def _diverge(ranks: list, trace, over: str = "") -> list[str]:
+def _diverge(ranks: list, trace, over: str = "", stopped: bool = False) -> list[str]:
     seqs = [trace(r) for r in ranks]
+    if stopped:
+        seqs = [s[:min(map(len, seqs))] for s in seqs]
     if all(s == seqs[0] for s in seqs):
         return []
     names = [r.name for r in ranks]
