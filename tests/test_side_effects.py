@@ -150,11 +150,11 @@ def _session_members(sid: int) -> list[int]:
 def test_a_dying_rank_is_a_crash_the_run_completes_and_no_process_is_left(tmp_path, name):
     out = tmp_path / "r.json"
     proc = subprocess.Popen([sys.executable, "-m", "harness", "check", "--target", f"mutant:{name}", "--tp", "2",
-                             "--profile", "smoke", "-q", "-x", "--json", str(out)],
+                             "--profile", "smoke", "-q", "-x", "--no-shrink", "--json", str(out)],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
-        _, err = proc.communicate(timeout=300)
+        _, err = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()
