@@ -64,6 +64,7 @@ class Observation:
     grad_2: Optional[torch.Tensor] = None
     grad_hidden_2: Optional[torch.Tensor] = None
     integrity: list[str] = field(default_factory=list)  # problems with the caller's inputs after the call
+    side_effects: list[str] = field(default_factory=list)  # process-global state a call left changed (`process_state`)
     memory: dict[str, Any] = field(default_factory=dict)  # `meters.memory.Meter.figures`
     n_forward_collectives: Optional[int] = None  # wrapper: how many of the trace's collectives the forward issued
     kernel_pass: Optional[KernelPass] = None
@@ -74,13 +75,14 @@ class Observation:
 
 
 HANG_KINDS = ("stuck", "timeout")  # a rank that never answered: blocked in a collective, or past the deadline
+HARNESS_STEP = "harness-step"  # the harness's own step could not use the routine's output: no crash of the routine
 
 
 @dataclass(slots=True)
 class RankResult:
     rank: int
     error: Optional[str] = None
-    error_kind: Optional[str] = None  # "exception", "timeout", "died", "stuck", "mismatch"
+    error_kind: Optional[str] = None  # "exception", "timeout", "died", "stuck", "mismatch", HARNESS_STEP
     trace: list[Event] = field(default_factory=list)
     obs: Observation = field(default_factory=Observation)
     replica: int = 0  # the data-parallel replica whose TP group this rank is in (`rank` is the TP rank)

@@ -16,6 +16,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("harness.observations", "harness.targets"),
     ("harness.targets.mutants", "harness.options"),
     ("harness.engine.calls", "harness.engine.executor", "harness.engine.progress", "harness.engine.stacks",
+     "harness.engine.process_state",
      "harness.engine.wire", "harness.engine.pool",
      "harness.engine.torchrun", "harness.engine.perf_jobs", "harness.engine.callgrind"),
     ("harness.checks", "harness.findings", "harness.known"),

@@ -23,7 +23,7 @@ from harness.targets.mutants import catalog
 STUDY = Path(__file__).resolve().parent.parent / "scripts" / "linear_tolerance_study.py"
 LINEAR_CHECKS = ("values", "gradients", "grad-flags", "shapes-dtypes", "finite", "crash", "hang", "collectives",
                  "chunk-invariance", "tp-invariance", "input-integrity", "empty-input", "memory-metric-only",
-                 "memory-backward-frees", "memory-linear-retained", "memory-budget")
+                 "memory-backward-frees", "memory-linear-retained", "memory-budget", "side-effects")
 
 
 def _study():

@@ -230,7 +230,7 @@ def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
 # The performance gate's checks (`harness.perf_gate`): they compare a run with a saved baseline,
 # not one case with the oracle, so they are not in the registry; findings and known entries name them.
 BASELINE_CHECKS = ("perf-time", "perf-instructions", "perf-collectives", "perf-memory")
-CHECK_MODULES = ("common", "kernel", "memory", "wrapper", "bitwise")  # the order of summaries, JSON and test ids
+CHECK_MODULES = ("common", "kernel", "memory", "wrapper", "side_effects", "bitwise")  # the order of summaries, JSON and test ids
 
 
 def all_checks(bitwise: bool = False) -> dict[str, Check]:

@@ -4,24 +4,49 @@ from __future__ import annotations
 
 from harness.checks import CALL_LEVELS, Evidence, bitwise_diff, check
 from harness.meters.trace import fmt_event
-from harness.observations import HANG_KINDS
+from harness.observations import HANG_KINDS, HARNESS_STEP
 
 
 def _errors(ev: Evidence) -> list[str]:
     return [f"{r.name} {r.error_kind}: {r.error}" for r in ev.failed_ranks]
 
 
-@check("crash", levels=CALL_LEVELS, applies=lambda c, t: c.T > 0, needs=None)
+def _crashed(ev: Evidence) -> list:
+    """The ranks whose routine raised or died (not the harness's own step, not a rank left waiting)."""
+    return [r for r in ev.failed_ranks if r.error_kind not in (*HANG_KINDS, HARNESS_STEP)]
+
+
+def _only_at_cp(ev: Evidence, run) -> str:
+    """At CP > 1, whether the same case at CP 1 runs: then the routine fails only with context
+    parallelism, and a routine without it says so in one line."""
+    if getattr(ev.case, "cp", 1) == 1 or not ev.target.supports("context_parallel"):
+        return ""
+    if _crashed(run(ev.case.replace(cp=1, cp_layout="zigzag"))):
+        return ""
+    return ("it raised only at CP > 1 (the same case at CP 1 runs): a wrapper without context parallelism "
+            "declares so in its module, `HARNESS_CAPABILITIES = {\"context_parallel\": False}`, and is then "
+            "checked at CP 1 only")
+
+
+@check("crash", levels=CALL_LEVELS, applies=lambda c, t: c.T > 0, needs=None, explain=_only_at_cp)
 def crash(ev: Evidence) -> list[str]:
-    """Every rank returns without raising or dying (a rank that never returns is `hang`'s)."""
-    return [f"{r.name} {r.error_kind}: {r.error}" for r in ev.failed_ranks if r.error_kind not in HANG_KINDS]
+    """Every rank returns without raising or dying (a rank that never returns is `hang`'s, unless a
+    peer raised or died first: it was left waiting for that peer, and is named here)."""
+    crashed = _crashed(ev)
+    problems = [f"{r.name} {r.error_kind}: {r.error}" for r in crashed]
+    if crashed:
+        problems += [f"{r.name} left waiting for it ({r.error_kind})" for r in ev.ranks if r.error_kind in HANG_KINDS]
+    return problems
 
 
 @check("hang", levels=CALL_LEVELS, needs=None)
 def hang(ev: Evidence) -> list[str]:
     """Every rank returns: none is left blocked in a collective its peers never joined (found by
     evidence from the ranks' collective progress, long before the collective timeout), and none
-    outruns the case deadline."""
+    outruns the case deadline. A rank left waiting for a peer that raised or died, or whose harness
+    step refused its output, is that peer's finding, not a hang."""
+    if any(r.error and r.error_kind not in HANG_KINDS for r in ev.ranks):
+        return []
     return [str(r.error) for r in ev.ranks if r.error_kind in HANG_KINDS]
 
 
@@ -41,20 +66,26 @@ def collectives(ev: Evidence) -> list[str]:
     """Every rank issues the same sequence of collectives (op, group size, shape, dtype) as its TP
     peers; at CP > 1 also the same collectives over groups of the CP size as its CP peers (the TP
     groups are disjoint, so their data-dependent collectives may differ; when the TP and CP sizes
-    are equal the two cannot be told apart, and a CP peer's extra collective is `hang`'s finding)."""
-    problems = [p for group in ev.groups() for p in _diverge(group, lambda r: r.trace)]
+    are equal the two cannot be told apart, and a CP peer's extra collective is `hang`'s finding).
+    A rank that raised or died stopped issuing collectives where it failed: then only the sequences
+    up to the shortest are compared, and the rest is `crash`'s."""
+    stopped = bool(_crashed(ev))
+    problems = [p for group in ev.groups() for p in _diverge(group, lambda r: r.trace, stopped=stopped)]
     cp = getattr(ev.case, "cp", 1)
     if cp > 1 and cp != ev.case.tp:
         peers: dict[tuple[int, int], list] = {}
         for r in ev.ranks:
             peers.setdefault((r.replica, r.rank), []).append(r)
         for ranks in peers.values():
-            problems += _diverge(ranks, lambda r: [e for e in r.trace if e[1] == cp], f" over groups of {cp} ranks")
+            problems += _diverge(ranks, lambda r: [e for e in r.trace if e[1] == cp], f" over groups of {cp} ranks",
+                                 stopped)
     return problems
 
 
-def _diverge(ranks: list, trace, over: str = "") -> list[str]:
+def _diverge(ranks: list, trace, over: str = "", stopped: bool = False) -> list[str]:
     seqs = [trace(r) for r in ranks]
+    if stopped:
+        seqs = [s[:min(map(len, seqs))] for s in seqs]
     if all(s == seqs[0] for s in seqs):
         return []
     names = [r.name for r in ranks]

@@ -6,6 +6,7 @@ import torch
 from cases.case import WrapperCase
 from harness.checks import Evidence, check
 from harness.checks.terms import wrapper_terms
+from harness.observations import HARNESS_STEP
 from reference.cp import response_positions
 
 WRAPPER = ("wrapper",)
@@ -25,7 +26,17 @@ def _per_sample(ev: Evidence, key: str, what: str) -> list[str]:
     return problems
 
 
-@check("wrapper-extraction", levels=WRAPPER, needs="forward")
+def _right_at_cp1(ev: Evidence, run) -> str:
+    """At CP > 1, whether the same case at CP 1 returns the right pieces: then the wrapper returns
+    the whole response where it holds a CP rank's piece, as one written without CP does."""
+    if ev.case.cp == 1 or extraction(run(ev.case.replace(cp=1, cp_layout="zigzag"))):
+        return ""
+    return ("wrong only at CP > 1 (the same case at CP 1 is right): a wrapper without context parallelism "
+            "declares so in its module, `HARNESS_CAPABILITIES = {\"context_parallel\": False}`, and is then "
+            "checked at CP 1 only")
+
+
+@check("wrapper-extraction", levels=WRAPPER, needs="forward", explain=lambda ev, run: _right_at_cp1(ev, run))
 def extraction(ev: Evidence) -> list[str]:
     """One float32 tensor of R_i response values per sample, for log-probs and (when asked) entropy;
     at CP > 1, of the response positions that the rank's zigzag chunks hold."""
@@ -50,6 +61,7 @@ def extraction(ev: Evidence) -> list[str]:
                     problems.append(f"{r.name}: {key}[{i}] has shape {list(m.shape)}, {what} is {n}")
                 if m.dtype != "float32":
                     problems.append(f"{r.name}: {key}[{i}] dtype {m.dtype}, expected float32")
+    problems += [f"{r.name}: {r.error}" for r in ev.ranks if r.error_kind == HARNESS_STEP]
     problems += _per_sample(ev, "log_prob", "log-probs (shifted targets, response rows)")
     return problems
 
@@ -62,9 +74,10 @@ def entropy_coef_rule(ev: Evidence) -> list[str]:
     (absent and -0.0 are zero; a negative coefficient is a coefficient), whoever calls it."""
     c: WrapperCase = ev.case
     coef = "absent" if c.entropy_coef is None else repr(c.entropy_coef)
-    if ev.failed_ranks:
+    failed = [r for r in ev.failed_ranks if r.error_kind != HARNESS_STEP]
+    if failed:
         # A caller that never sets entropy_coef is a caller too; other crashes are crash's.
-        r = ev.failed_ranks[0]
+        r = failed[0]
         return [f"{r.name}: the wrapper raised with entropy_coef absent (absent means 0): {r.error}"] \
             if c.entropy_coef is None else []
     problems = []

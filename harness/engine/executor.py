@@ -14,13 +14,19 @@ import reference
 from cases.case import Case, KernelCase, LinearCase, WrapperCase
 from harness.engine.calls import (KernelShard, LinearShard, cp_local, cp_local_logits, grad_context, group_coordinates,
                                   laid_out, shard, tokens_laid_out, tp_group, view_of, weighted)
+from harness.engine.process_state import watched, watching
 from harness.meters import trace
 from harness.meters.memory import Meter
-from harness.observations import KernelPass, Observation, RankResult, TensorMeta
+from harness.observations import HARNESS_STEP, KernelPass, Observation, RankResult, TensorMeta
 from harness.targets import Target, load_target
 from reference.cp import response_positions
 
 CASE_JOB = "harness.engine.executor:case_job"
+
+
+class HarnessStepError(Exception):
+    """The harness's own step around the call (building the upstream loss) cannot use what the
+    routine returned: a finding about the output's shape, not a crash of the routine."""
 
 
 class _Integrity:
@@ -68,7 +74,7 @@ def metered(target: Target) -> bool:
 def _observed_call(inp: Any, target: Target, case: Any, group: Any, meter: Meter, integrity: "_Integrity",
                    obs: Observation) -> tuple[Any, Any]:
     """The metered forward call; its outputs, their metadata and the inputs' integrity go into `obs`."""
-    with meter.forward():
+    with watched(f"{case.level} forward"), meter.forward():
         log_prob, entropy = inp.call(target, case, group)
     meter.outputs(log_prob, entropy)
     obs.log_prob, obs.entropy = _detached(log_prob), _detached(entropy)
@@ -76,6 +82,16 @@ def _observed_call(inp: Any, target: Target, case: Any, group: Any, meter: Meter
     obs.integrity = integrity.problems("forward")
     obs.stage = "forward"
     return log_prob, entropy
+
+
+def _call(inp: KernelShard | LinearShard, target: Target, case: Any, group: Any) -> tuple[Any, Any]:
+    with watched(f"{case.level} forward"):
+        return inp.call(target, case, group)
+
+
+def _backward(loss: torch.Tensor, case: Case) -> None:
+    with watched(f"{case.level} backward"):
+        loss.backward()
 
 
 def run_kernel(case: KernelCase, target: Target, rank: int, group: Any, device: torch.device,
@@ -91,24 +107,24 @@ def run_kernel(case: KernelCase, target: Target, rank: int, group: Any, device: 
         log_prob, entropy = _observed_call(inp, target, case, group, meter, integrity, obs)
         loss = inp.loss(log_prob, entropy)
         if case.context == "two_calls":  # the same logits through a second call, one graph
-            loss = loss + inp.loss(*inp.call(target, case, group), second=True)
+            loss = loss + inp.loss(*_call(inp, target, case, group), second=True)
         if other is not None:  # other logits and tokens through a second call, one graph
-            loss = loss + other.loss(*other.call(target, case, group))
+            loss = loss + other.loss(*_call(other, target, case, group))
     if isinstance(loss, torch.Tensor) and loss.requires_grad:
-        with meter.backward():
+        with watched(f"{case.level} backward"), meter.backward():
             loss.backward()
         meter.gradients(inp.grad())
         if other is not None:
             obs.grad_2 = _detached(other.grad())
         if case.context == "accumulate":  # a second microbatch into the same .grad
-            loss = inp.loss(*inp.again().call(target, case, group), second=True)
+            loss = inp.loss(*_call(inp.again(), target, case, group), second=True)
             if isinstance(loss, torch.Tensor) and loss.requires_grad:
-                loss.backward()
+                _backward(loss, case)
         grad = inp.grad()
         obs.grad, obs.grad_meta = _detached(grad), TensorMeta.of(grad)
         obs.integrity += integrity.problems("backward")
     elif case.context == "accumulate":  # no backward: the second microbatch is a second call
-        inp.again().call(target, case, group)
+        _call(inp.again(), target, case, group)
     obs.memory = meter.figures
     if not case.autograd and case.T > 0:
         obs.training = training_kernel(case, target, rank, group, device)
@@ -122,7 +138,7 @@ def training_kernel(case: KernelCase, target: Target, rank: int, group: Any, dev
     train = case.replace(context="train", requires_grad=True)
     inp = KernelShard.of(train, rank, device)
     with trace.recording():
-        log_prob, entropy = inp.call(target, train, group)
+        log_prob, entropy = _call(inp, target, train, group)
     return _detached(log_prob), _detached(entropy)
 
 
@@ -138,9 +154,9 @@ def run_linear(case: LinearCase, target: Target, rank: int, group: Any, device: 
     log_prob, entropy = _observed_call(inp, target, case, group, meter, integrity, obs)
     loss = inp.loss(log_prob, entropy)
     if other is not None:  # another batch of hidden states (and head) through a second call, one graph
-        loss = loss + other.loss(*other.call(target, case, group))
+        loss = loss + other.loss(*_call(other, target, case, group))
     if isinstance(loss, torch.Tensor) and loss.requires_grad:
-        with meter.backward():
+        with watched(f"{case.level} backward"), meter.backward():
             loss.backward()
         meter.gradients(inp.weight.grad, inp.hidden_grad())
         if other is not None:
@@ -187,6 +203,10 @@ class _WrapperCall:
         self.top_p_ids, self.top_p_offsets = _to(full.top_p_token_ids, device), _to(full.top_p_token_offsets, device)
 
     def __call__(self) -> tuple[list[torch.Tensor], Any]:
+        with watched("wrapper forward"):
+            return self._call()
+
+    def _call(self) -> tuple[list[torch.Tensor], Any]:
         c = self.case
         _, res = self.target.wrapper(
             self.logits, args=c.args(), unconcat_tokens=self.tokens,
@@ -198,6 +218,10 @@ class _WrapperCall:
     def loss(self, log_probs: list, entropy: Any, second: bool = False) -> Any:
         w = self.weights
         w1, w2 = (w["w_log_probs_2"], w["w_entropy_2"]) if second else (w["w_log_probs"], w["w_entropy"])
+        for key, values, weights in (("log_probs", log_probs, w1), ("entropy", entropy if isinstance(entropy, list) else [], w2)):
+            for i, (t, wt) in enumerate(zip(values, weights or [])):
+                if isinstance(t, torch.Tensor) and t.requires_grad and t.numel() != wt.numel():
+                    raise HarnessStepError(self._step_refused(key, i, t.numel(), wt.numel()))
         loss = sum((weighted(t, w, self.device) for t, w in zip(log_probs, w1)), 0.0)
         if entropy is not None:
             loss = loss + sum((weighted(t, w, self.device) for t, w in zip(entropy, w2)), 0.0)
@@ -207,6 +231,12 @@ class _WrapperCall:
         g = self.source.grad
         return None if g is None else view_of(g, self.case.layout if self.case.layout != "nonleaf" else "")
 
+    def _step_refused(self, key: str, i: int, got: int, want: int) -> str:
+        where = "response positions" if self.case.cp == 1 else "response positions this CP rank's zigzag chunks hold"
+        return (f"the harness's loss step, not the routine, stopped here: it weighs {key}[{i}] by the upstream "
+                f"gradient of the {want} {where}, and the routine returned {got} values (the routine itself "
+                f"returned without raising); this rank ran no backward")
+
 
 def run_wrapper(case: WrapperCase, target: Target, rank: int, device: torch.device, obs: Observation,
                 cp_rank: int = 0, meter_memory: bool = True) -> None:
@@ -215,8 +245,8 @@ def run_wrapper(case: WrapperCase, target: Target, rank: int, device: torch.devi
     integrity = _Integrity(logits=logits, **{f"tokens[{i}]": t for i, t in enumerate(tokens)})
     meter = Meter((logits, tokens, call.top_p_ids, call.top_p_offsets), device, meter_memory and metered(target))
     with grad_context(case.context):
-        with meter.forward():
-            log_probs, entropy = call()
+        with watched("wrapper forward"), meter.forward():
+            log_probs, entropy = call._call()
         meter.outputs(log_probs, entropy)
         obs.n_forward_collectives = trace.count()
         obs.log_prob = [_detached(t) for t in log_probs]
@@ -234,7 +264,7 @@ def run_wrapper(case: WrapperCase, target: Target, rank: int, device: torch.devi
         if other is not None:  # another batch through a second call, one graph
             loss = loss + other.loss(*other())
     if isinstance(loss, torch.Tensor) and loss.requires_grad:
-        with meter.backward():
+        with watched(f"{case.level} backward"), meter.backward():
             loss.backward()
         meter.gradients(call.grad())
         if other is not None:
@@ -243,7 +273,7 @@ def run_wrapper(case: WrapperCase, target: Target, rank: int, device: torch.devi
             call.logits = view_of(call.source, case.layout).unsqueeze(0)  # the next microbatch's forward
             loss = call.loss(*call(), second=True)
             if isinstance(loss, torch.Tensor) and loss.requires_grad:
-                loss.backward()
+                _backward(loss, case)
         obs.grad = _detached(call.grad())
         obs.integrity += integrity.problems("backward")
     elif case.context == "accumulate":
@@ -276,7 +306,7 @@ def kernel_pass(case: WrapperCase, target: Target, values: torch.Tensor, device:
         # `logits` is a view, or (layout "nonleaf") an op's output: the gradient lands on `source`.
         source, logits = laid_out(values.detach().clone(), case.layout, True)
         meter = Meter((logits, tokens), device, meter_memory and metered(target) and case.cp == 1)
-        with trace.recording() as events, meter.forward():
+        with trace.recording() as events, watched("kernel forward (the wrapper's rows)"), meter.forward():
             log_prob, entropy = target.kernel(logits, tokens, tp_group(), **target.kwargs(
                 "kernel", with_entropy=case.with_entropy, chunk_size=chunk, log_prob_keep_mask=None,
                 with_entropy_grad=case.expects_entropy_grad))
@@ -288,7 +318,7 @@ def kernel_pass(case: WrapperCase, target: Target, values: torch.Tensor, device:
         if isinstance(entropy, torch.Tensor) and entropy.requires_grad:
             loss = loss + _response_loss(case, entropy, full.w_entropy, device)
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
-            with trace.recording(), meter.backward():
+            with trace.recording(), watched("kernel backward (the wrapper's rows)"), meter.backward():
                 loss.backward()
             meter.gradients(source.grad)
         out.memory[chunk] = meter.figures
@@ -316,7 +346,7 @@ def run_on_rank(case: Case, target: Target, rank: int, device: torch.device, cp_
     several times the call itself), for a run whose checks read no memory figure."""
     result = RankResult(rank)
     group = tp_group()
-    with trace.recording() as events:
+    with trace.recording() as events, watching(device, case.level) as watch:
         try:
             if case.level == "kernel":
                 run_kernel(case, target, rank, group, device, result.obs, meter_memory)
@@ -327,8 +357,11 @@ def run_on_rank(case: Case, target: Target, rank: int, device: torch.device, cp_
         except Exception as e:  # the target's failure is data
             failed = RankResult.from_exception(rank, e)
             result.error, result.error_kind = failed.error, failed.error_kind
+            if isinstance(e, HarnessStepError):
+                result.error, result.error_kind = str(e), HARNESS_STEP
             result.obs.traceback = failed.obs.traceback
     result.trace = list(events)
+    result.obs.side_effects = watch.findings
     return result
 
 
