@@ -97,8 +97,8 @@ class WrapperInputs:
     def total_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if self.w_log_probs_2 is None:
             return self.w_log_probs, self.w_entropy
-        return ([a + b for a, b in zip(self.w_log_probs, self.w_log_probs_2)],
-                [a + b for a, b in zip(self.w_entropy, self.w_entropy_2)])
+        return ([a + b for a, b in zip(self.w_log_probs, self.w_log_probs_2, strict=True)],
+                [a + b for a, b in zip(self.w_entropy, self.w_entropy_2, strict=True)])
 
 
 REPLICA_SEED_STRIDE = 1_000_003

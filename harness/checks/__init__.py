@@ -219,7 +219,7 @@ def bitwise_diff(a: Any, b: Any, what: str) -> list[str]:
     if isinstance(a, list) or isinstance(b, list):
         if not isinstance(a, list) or not isinstance(b, list) or len(a) != len(b):
             return [f"{what}: {_kind(a)} vs {_kind(b)}"]
-        return [p for i, (x, y) in enumerate(zip(a, b)) for p in bitwise_diff(x, y, f"{what}[{i}]")]
+        return [p for i, (x, y) in enumerate(zip(a, b, strict=True)) for p in bitwise_diff(x, y, f"{what}[{i}]")]
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return [f"{what}: {_kind(a)} vs {_kind(b)}"]
     if a.dtype != b.dtype or a.numel() != b.numel():

@@ -26,7 +26,7 @@ def _compare(ev: Evidence, other: Evidence, what: str, start: int = 0, count: in
     """`other`'s outputs and gradient against rows [start, start + count) of `ev`'s (all rows:
     count None), rank by rank, bit for bit."""
     problems = []
-    for mine, theirs in zip(ev.ranks, other.ranks):
+    for mine, theirs in zip(ev.ranks, other.ranks, strict=True):
         a, b = mine.obs, theirs.obs
         pick = (lambda t: t) if count is None else (lambda t: _rows(t, start, count))  # noqa: E731
         for key in ("log_prob", "entropy", "grad"):

@@ -58,9 +58,10 @@ def _diverge(ranks: list, trace, over: str = "") -> list[str]:
     if all(s == seqs[0] for s in seqs):
         return []
     names = [r.name for r in ranks]
-    counts = ", ".join(f"{n} issued {len(s)}" for n, s in zip(names, seqs))
+    counts = ", ".join(f"{n} issued {len(s)}" for n, s in zip(names, seqs, strict=True))
     first = next(i for i in range(max(map(len, seqs))) if len({tuple(s[i:i + 1]) for s in seqs}) > 1)
-    detail = "; ".join(f"{n}: {fmt_event(s[first]) if first < len(s) else 'nothing'}" for n, s in zip(names, seqs))
+    detail = "; ".join(f"{n}: {fmt_event(s[first]) if first < len(s) else 'nothing'}"
+                       for n, s in zip(names, seqs, strict=True))
     return [f"ranks diverge{over}: {counts}; first difference at collective #{first + 1}: {detail}"]
 
 

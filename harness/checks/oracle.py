@@ -51,8 +51,9 @@ def expected_on(case: Case, cp_rank: int = 0) -> Expected:
     if getattr(case, "cp", 1) == 1:
         return full
     positions = [torch.tensor(response_positions(L, R, case.cp, cp_rank), dtype=torch.int64)
-                 for L, R in zip(case.total_lengths, case.response_lengths)]
-    pick = lambda values: None if values is None else [v[p] for v, p in zip(values, positions)]  # noqa: E731
+                 for L, R in zip(case.total_lengths, case.response_lengths, strict=True)]
+    pick = lambda values: (None if values is None  # noqa: E731
+                           else [v[p] for v, p in zip(values, positions, strict=True)])
     rows = torch.tensor(local_rows(list(case.total_lengths), case.cp, case.cp_layout, cp_rank), dtype=torch.int64)
     real = rows != PAD
 
@@ -139,8 +140,9 @@ def _wrapper(case: WrapperCase) -> Expected:
     grad = reference.wrapper_logits_grad(inp.logits, args, w_log_probs=w_lp, w_entropy=w2, **common) \
         if case.grad_on else None
     if inp.w_log_probs_2 is not None:  # the error bound of two summed gradients
-        w_lp = [a.abs() + b.abs() for a, b in zip(inp.w_log_probs, inp.w_log_probs_2)]
-        w2 = [a.abs() + b.abs() for a, b in zip(inp.w_entropy, inp.w_entropy_2)] if w2 is not None else None
+        w_lp = [a.abs() + b.abs() for a, b in zip(inp.w_log_probs, inp.w_log_probs_2, strict=True)]
+        w2 = ([a.abs() + b.abs() for a, b in zip(inp.w_entropy, inp.w_entropy_2, strict=True)]
+              if w2 is not None else None)
     # The bounds are those of the kernel on the rows the wrapper hands it: the logits divided by the
     # temperature (one more float32 rounding of the input when it is not 1), shifted targets, the
     # replayed keep mask, and the response weights; the chain rule through 1/t scales the gradient.
@@ -170,6 +172,6 @@ def _wrapper(case: WrapperCase) -> Expected:
 def _scatter(per_sample: PerSample, rows: list[torch.Tensor], T: int) -> torch.Tensor:
     """Per-sample response weights as one [T] vector, 0 on the rows outside every response."""
     w = torch.zeros(T, dtype=torch.float64)
-    for values, r in zip(per_sample, rows):
+    for values, r in zip(per_sample, rows, strict=True):
         w[r] = values.to(torch.float64)
     return w

@@ -20,7 +20,7 @@ def _per_sample(ev: Evidence, key: str, what: str) -> list[str]:
         got = getattr(r.obs, key)
         if want is None or got is None or len(got) != len(want):
             continue  # counted by wrapper-extraction
-        for i, (g, w, b) in enumerate(zip(got, want, bounds)):
+        for i, (g, w, b) in enumerate(zip(got, want, bounds, strict=True)):
             problems += ev.compare(g, w, b, f"{r.name} sample {i} {what}")
     return problems
 
@@ -41,7 +41,7 @@ def extraction(ev: Evidence) -> list[str]:
             if len(metas) != len(c.response_lengths):
                 problems.append(f"{r.name}: {len(metas)} {key} entries for {len(c.response_lengths)} samples")
                 continue
-            for i, (m, n) in enumerate(zip(metas, pieces)):
+            for i, (m, n) in enumerate(zip(metas, pieces, strict=True)):
                 if m is None:
                     problems.append(f"{r.name}: {key}[{i}] is not a tensor")
                     continue
@@ -129,7 +129,7 @@ def cp_invariance(ev: Evidence) -> list[str]:
         base, bounds = getattr(twin.obs(), key), getattr(exp, f"{key}_tol")
         if base is None or bounds is None or len(base) != len(bounds):
             continue
-        for i, (L, R) in enumerate(zip(c.total_lengths, c.response_lengths)):
+        for i, (L, R) in enumerate(zip(c.total_lengths, c.response_lengths, strict=True)):
             whole = torch.full((R,), float("nan"), dtype=torch.float64)
             for r in pieces:
                 got, pos = getattr(r.obs, key), response_positions(L, R, c.cp, r.cp_rank)

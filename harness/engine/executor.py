@@ -163,7 +163,7 @@ def cp_weights(case: WrapperCase, per_sample: list[torch.Tensor] | None, cp_rank
     if per_sample is None or case.cp == 1:
         return per_sample
     return [w[response_positions(L, R, case.cp, cp_rank)] for w, L, R in
-            zip(per_sample, case.total_lengths, case.response_lengths)]
+            zip(per_sample, case.total_lengths, case.response_lengths, strict=True)]
 
 
 class _WrapperCall:
@@ -197,9 +197,10 @@ class _WrapperCall:
     def loss(self, log_probs: list, entropy: Any, second: bool = False) -> Any:
         w = self.weights
         w1, w2 = (w["w_log_probs_2"], w["w_entropy_2"]) if second else (w["w_log_probs"], w["w_entropy"])
-        loss = sum((weighted(t, w, self.device) for t, w in zip(log_probs, w1)), 0.0)
+        # The routine's count of entries may be wrong: wrapper-extraction reports it, the backward still runs.
+        loss = sum((weighted(t, w, self.device) for t, w in zip(log_probs, w1, strict=False)), 0.0)
         if entropy is not None:
-            loss = loss + sum((weighted(t, w, self.device) for t, w in zip(entropy, w2)), 0.0)
+            loss = loss + sum((weighted(t, w, self.device) for t, w in zip(entropy, w2, strict=False)), 0.0)
         return loss
 
     def grad(self) -> torch.Tensor | None:
@@ -297,7 +298,7 @@ def kernel_pass(case: WrapperCase, target: Target, values: torch.Tensor, device:
 def _response_loss(case: WrapperCase, values: torch.Tensor, weights: list[torch.Tensor], device: torch.device) -> Any:
     # Empty responses too: their slices' backward allocates like any other, in the wrapper job as here.
     flat, loss, offset = values.reshape(-1), 0.0, 0
-    for length, resp, w in zip(case.total_lengths, case.response_lengths, weights):
+    for length, resp, w in zip(case.total_lengths, case.response_lengths, weights, strict=True):
         a = offset + length - resp - 1
         offset += length
         loss = loss + (flat[a:a + resp] * w.to(device=device, dtype=flat.dtype)).sum()

@@ -373,7 +373,7 @@ class WorkerPool:
             self.board.reset()
         self._submitted = time.monotonic()
         self._deadline = self._submitted + deadline_s
-        for conn, args in zip(self.conns, args_per_rank):
+        for conn, args in zip(self.conns, args_per_rank, strict=True):
             try:
                 conn.send((fn_path, args))
             except (BrokenPipeError, OSError):
