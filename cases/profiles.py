@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from hypothesis import HealthCheck, Phase, Verbosity, settings
 
@@ -48,9 +49,10 @@ PROFILES = {
 }
 DEFAULT_PROFILE = "ci"
 
-_COMMON = dict(deadline=None, print_blob=True, report_multiple_bugs=False,
+_COMMON: dict[str, Any] = dict(deadline=None, print_blob=True, report_multiple_bugs=False,
                suppress_health_check=list(HealthCheck))
 
+assert settings.default is not None  # Hypothesis loads its default profile on import
 for _p in PROFILES.values():
     settings.register_profile(
         _p.name, max_examples=_p.pytest_examples,
