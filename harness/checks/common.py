@@ -2,6 +2,8 @@
 rank issues the same collectives, and the caller's inputs survive."""
 from __future__ import annotations
 
+import torch
+
 from harness.checks import CALL_LEVELS, Evidence, bitwise_diff, check
 from harness.meters.trace import fmt_event
 from harness.observations import HANG_KINDS
@@ -31,7 +33,7 @@ def empty_input(ev: Evidence) -> list[str]:
     problems = _errors(ev)
     for r in ev.ranks:
         for key, out in (("log_prob", r.obs.log_prob), ("entropy", r.obs.entropy)):
-            if out is not None and out.numel():
+            if isinstance(out, torch.Tensor) and out.numel():
                 problems.append(f"rank {r.rank}: {key} has {out.numel()} elements for T == 0")
     return problems
 

@@ -1,9 +1,11 @@
 """Level-2 checks of `get_log_probs_and_entropy`, the loss-side wrapper of slime PR #2153."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from cases.case import WrapperCase
+from cases.case import Case, WrapperCase
 from harness.checks import Evidence, check
 from harness.checks.terms import wrapper_terms
 from reference.cp import response_positions
@@ -29,7 +31,8 @@ def _per_sample(ev: Evidence, key: str, what: str) -> list[str]:
 def extraction(ev: Evidence) -> list[str]:
     """One float32 tensor of R_i response values per sample, for log-probs and (when asked) entropy;
     at CP > 1, of the response positions that the rank's zigzag chunks hold."""
-    c: WrapperCase = ev.case
+    c = ev.case
+    assert isinstance(c, WrapperCase)  # levels=WRAPPER, as for every check of this module
     problems = []
     for r in ev.ranks:
         pieces = [int(v.numel()) for v in ev.expected_for(r).log_prob]
@@ -38,6 +41,7 @@ def extraction(ev: Evidence) -> list[str]:
                 if key == "entropy" and c.with_entropy:
                     problems.append(f"{r.name}: with_entropy=True but res has no 'entropy'")
                 continue
+            assert isinstance(metas, list)  # per sample at the wrapper level
             if len(metas) != len(c.response_lengths):
                 problems.append(f"{r.name}: {len(metas)} {key} entries for {len(c.response_lengths)} samples")
                 continue
@@ -58,7 +62,8 @@ def extraction(ev: Evidence) -> list[str]:
 def entropy_coef_rule(ev: Evidence) -> list[str]:
     """slime PR #2153: the wrapper's entropy is differentiable exactly when entropy_coef != 0
     (absent and -0.0 are zero; a negative coefficient is a coefficient), whoever calls it."""
-    c: WrapperCase = ev.case
+    c = ev.case
+    assert isinstance(c, WrapperCase)
     coef = "absent" if c.entropy_coef is None else repr(c.entropy_coef)
     if ev.failed_ranks:
         # A caller that never sets entropy_coef is a caller too; other crashes are crash's.
@@ -67,7 +72,9 @@ def entropy_coef_rule(ev: Evidence) -> list[str]:
             if c.entropy_coef is None else []
     problems = []
     for r in ev.ranks:
-        for i, m in enumerate(r.obs.entropy_meta or []):
+        metas = r.obs.entropy_meta or []
+        assert isinstance(metas, list)  # per sample at the wrapper level
+        for i, m in enumerate(metas):
             if m is not None and m.requires_grad != c.expects_entropy_grad:
                 problems.append(f"{r.name}: entropy[{i}].requires_grad={m.requires_grad} with entropy_coef={coef}; "
                                 f"expected {c.expects_entropy_grad}")
@@ -94,8 +101,12 @@ def top_p_replay(ev: Evidence) -> list[str]:
     return _per_sample(ev, "log_prob", "log-probs under top-p replay") + _per_sample(ev, "entropy", "entropy (never masked)")
 
 
+def _gradient_terms(ev: Evidence, run: Callable[[Case], Evidence]) -> str:
+    return wrapper_terms(ev, run, wrapper_gradients)
+
+
 @check("wrapper-gradients", levels=WRAPPER, applies=lambda c, t: sum(c.response_lengths) > 0, reads=("autograd",),
-       explain=lambda ev, run: wrapper_terms(ev, run, wrapper_gradients))
+       explain=_gradient_terms)
 def wrapper_gradients(ev: Evidence) -> list[str]:
     """Gradient w.r.t. the raw logits shard, including the entropy term exactly when entropy_coef != 0;
     in every TP group (each DP replica, each CP rank: the slice of the whole gradient on its rows); in a
@@ -111,6 +122,7 @@ def wrapper_gradients(ev: Evidence) -> list[str]:
                     continue  # a CP rank whose rows the loss does not reach: None is its zero gradient
                 problems.append(f"no gradient reached the logits{call}")
                 continue
+            assert exp.grad is not None and exp.grad_tol is not None  # read only in contexts with autograd
             problems += ev.compare(grad, exp.grad, exp.grad_tol, f"grad (all shards){call}")
     return problems
 
@@ -121,7 +133,8 @@ def cp_invariance(ev: Evidence) -> list[str]:
     """The same global case at CP 1: every sample's response, re-assembled from the CP ranks' zigzag
     pieces (TP rank 0 of replica 0 at each CP rank), agrees with it within twice the derived bound
     (each side carries its own float32 error)."""
-    c: WrapperCase = ev.case
+    c = ev.case
+    assert isinstance(c, WrapperCase)
     twin, exp = ev.twins["cp-invariance"], ev.expected
     pieces = [r for r in ev.ranks if r.replica == 0 and r.rank == 0]
     problems = []
