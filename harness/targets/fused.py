@@ -311,6 +311,7 @@ class FusedLogProbEntropy:
             own = self.owned(local, v_local)
             g = self.logprob_grad(q_buf[s:e], local, own, w1[s:e])
             if ctx.entropy_grad and grad_entropy is not None:
+                assert logits is not None  # saved whenever the entropy has a gradient
                 x = self.upcast(logits[s:e])
                 log_p = x - lse[s:e].unsqueeze(-1)
                 p = self.recompute_p(x, lse[s:e]) if ctx.masked else q_buf[s:e]
