@@ -187,6 +187,7 @@ class _WrapperCall:
 
     def __call__(self) -> tuple[list[torch.Tensor], Any]:
         c = self.case
+        assert self.target.wrapper is not None  # a case runs only at the levels its target has
         _, res = self.target.wrapper(
             self.logits, args=c.args(), unconcat_tokens=self.tokens,
             total_lengths=list(c.total_lengths), response_lengths=list(c.response_lengths),
@@ -197,6 +198,7 @@ class _WrapperCall:
     def loss(self, log_probs: list, entropy: Any, second: bool = False) -> Any:
         w = self.weights
         w1, w2 = (w["w_log_probs_2"], w["w_entropy_2"]) if second else (w["w_log_probs"], w["w_entropy"])
+        assert w1 is not None and w2 is not None  # a context with a second call has its weights
         # The routine's count of entries may be wrong: wrapper-extraction reports it, the backward still runs.
         loss = sum((weighted(t, w, self.device) for t, w in zip(log_probs, w1, strict=False)), 0.0)
         if entropy is not None:
@@ -276,6 +278,7 @@ def kernel_pass(case: WrapperCase, target: Target, values: torch.Tensor, device:
         # `logits` is a view, or (layout "nonleaf") an op's output: the gradient lands on `source`.
         source, logits = laid_out(values.detach().clone(), case.layout, True)
         meter = Meter((logits, tokens), device, meter_memory and metered(target) and case.cp == 1)
+        assert target.kernel is not None  # wants_kernel_pass: the target has the kernel level
         with trace.recording() as events, meter.forward():
             log_prob, entropy = target.kernel(logits, tokens, tp_group(), **target.kwargs(
                 "kernel", with_entropy=case.with_entropy, chunk_size=chunk, log_prob_keep_mask=None,
@@ -318,9 +321,9 @@ def run_on_rank(case: Case, target: Target, rank: int, device: torch.device, cp_
     group = tp_group()
     with trace.recording() as events:
         try:
-            if case.level == "kernel":
+            if isinstance(case, KernelCase):
                 run_kernel(case, target, rank, group, device, result.obs, meter_memory)
-            elif case.level == "linear":
+            elif isinstance(case, LinearCase):
                 run_linear(case, target, rank, group, device, result.obs, meter_memory)
             else:
                 run_wrapper(case, target, rank, device, result.obs, cp_rank, meter_memory)
