@@ -74,6 +74,7 @@ class Git:
     def export(self, sha: str, dest: Path) -> None:
         """The commit's tree into `dest`, through `git archive | tar` (no checkout, no index)."""
         archive = subprocess.Popen(["git", "--git-dir", self.dir, "archive", sha], stdout=subprocess.PIPE)
+        assert archive.stdout is not None  # stdout=PIPE
         try:
             subprocess.run(["tar", "-x", "-C", str(dest)], stdin=archive.stdout, check=True, timeout=600)
         finally:
@@ -181,7 +182,7 @@ def run_all(git: Git, todo: list[Commit], ns: argparse.Namespace, workdir: Path)
             outcome = outcomes[commit.sha] = future.result()
             elapsed = time.perf_counter() - start
             left = elapsed / done * (len(todo) - done)
-            what = outcome.status if outcome.status != "checked" else \
+            what = outcome.status if outcome.status != "checked" or outcome.result is None else \
                 f"{len(outcome.result['findings'])} new finding(s)"
             print(f"[history] commit {done} of {len(todo)}: {commit.short} {commit.subject[:50]}: {what} "
                   f"({outcome.seconds:.0f}s); elapsed {elapsed:.0f}s, about {left:.0f}s left",

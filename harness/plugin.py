@@ -4,9 +4,11 @@
 """
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from cases.profiles import load_for_pytest
+from cases.profiles import Profile, load_for_pytest
 from harness import options
 from harness.errors import HarnessError
 from harness.options import RunConfig
@@ -18,6 +20,14 @@ MARKERS = {
     "slow": "long-running; deselect with -m 'not slow'",
 }
 
+# The session's state, kept in pytest's stash on its Config.
+PROFILE = pytest.StashKey[Profile]()
+TP = pytest.StashKey[list[int]]()
+CP = pytest.StashKey[list[int]]()  # the CP sizes > 1
+LAUNCHED = pytest.StashKey[Any]()  # the torchrun world rank 0 drives
+EXITSTATUS = pytest.StashKey[int]()
+KNOWN_RUNNER = pytest.StashKey[Any]()  # the runner whose known findings the summary lists
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     # The CLI's options, flags and validators; the profile defaults to the environment's (ci under
@@ -26,6 +36,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                        ("target", "tp", "cp", "device", "collective_timeout", "case_timeout", "profile", "seed", "known",
                         "strict_known", "bitwise"),
                        profile=None, seed=None)
+
+
+def option(config: pytest.Config, name: str) -> Any:
+    """An option's value as parsed (pytest's getoption is unannotated, and a type checker reads a
+    None into it; every option of the harness has a default)."""
+    return config.getoption(name)
 
 
 def run_config(config: pytest.Config, pools: dict | None = None) -> RunConfig:
@@ -49,19 +65,19 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
         return pytest.ExitCode.USAGE_ERROR  # rank 0 says why
     if torchrun.rank() != 0:
         return world.serve()
-    config.harness_launched = world
+    config.stash[LAUNCHED] = world
     return None
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    runner = getattr(session.config, "harness_known_runner", None)
+    runner = session.config.stash.get(KNOWN_RUNNER, None)
     if runner is not None and session.config.getoption("strict_known") and runner.known.stale and exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED  # --strict: a stale known entry fails the run
-    session.config.harness_exitstatus = int(session.exitstatus)
+    session.config.stash[EXITSTATUS] = int(session.exitstatus)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    runner = getattr(config, "harness_known_runner", None)
+    runner = config.stash.get(KNOWN_RUNNER, None)
     if runner is None:
         return
     terminalreporter.section("harness known findings")
@@ -71,17 +87,17 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    world = getattr(config, "harness_launched", None)
+    world = config.stash.get(LAUNCHED, None)
     if world is not None:  # release the serving ranks with this session's exit code
-        world.stop(getattr(config, "harness_exitstatus", pytest.ExitCode.INTERNAL_ERROR))
+        world.stop(config.stash.get(EXITSTATUS, pytest.ExitCode.INTERNAL_ERROR))
 
 
 def pytest_configure(config: pytest.Config) -> None:
     for name, doc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
-    config.harness_profile = load_for_pytest(config.getoption("--profile"))
-    config.harness_tp = list(config.getoption("tp"))
-    config.harness_cp = [cp for cp in (config.getoption("cp") or []) if cp > 1]
+    config.stash[PROFILE] = load_for_pytest(config.getoption("--profile"))
+    config.stash[TP] = list(option(config, "tp"))
+    config.stash[CP] = [cp for cp in (config.getoption("cp") or []) if cp > 1]
     if config.getoption("--device") == "cuda":
         import torch
 
@@ -94,11 +110,11 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     from harness.targets import load_target
 
     try:
-        target = load_target(config.getoption("--target"))
+        target = load_target(option(config, "--target"))
     except HarnessError:
         return None  # collection reports it, as an error (exit 2)
-    lines = [f"harness: target {target.spec}, levels {', '.join(target.levels)}, TP {config.harness_tp}, "
-             f"profile {config.harness_profile.name}"]
+    lines = [f"harness: target {target.spec}, levels {', '.join(target.levels)}, TP {config.stash[TP]}, "
+             f"profile {config.stash[PROFILE].name}"]
     lines += [f"harness: target provides no {feature}: cases needing it are not drawn"
               for feature, ok in sorted(target.capabilities.items()) if not ok]
     return lines
@@ -108,7 +124,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     from harness.targets import load_target
 
     try:
-        unavailable = load_target(config.getoption("--target")).unavailable(config.getoption("--device"))
+        unavailable = load_target(option(config, "--target")).unavailable(option(config, "--device"))
     except HarnessError:
         unavailable = None  # the runner fixture reports it
     if unavailable:  # a CUDA-only target on a CPU runner: its tests skip, saying why
@@ -145,7 +161,7 @@ def harness_runner(request: pytest.FixtureRequest, harness_pools):
     try:
         runner = Runner.for_run(run_config(request.config, harness_pools))
         if runner.known.path:
-            request.config.harness_known_runner = runner
+            request.config.stash[KNOWN_RUNNER] = runner
     except HarnessError as e:
         pytest.exit(f"harness: error: {e}", returncode=2)
     yield runner

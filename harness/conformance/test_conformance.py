@@ -15,12 +15,13 @@ from hypothesis.errors import Unsatisfiable
 from cases.strategies import kernel_cases, linear_cases, wrapper_cases
 from harness.checks import all_checks
 from harness.errors import TargetError
+from harness.plugin import CP, PROFILE, TP, option
 from harness.targets import load_target
 
 DTYPES = ("fp32", "bf16", "fp16")
 
 
-def _families(level: str, tps: list[int], keep_mask: bool, cps: list[int] = ()) -> list[tuple[str, dict]]:
+def _families(level: str, tps: list[int], keep_mask: bool, cps: list[int] | tuple[()] = ()) -> list[tuple[str, dict]]:
     if level == "kernel":
         masks = (False, True) if keep_mask else (False,)  # a target without a keep mask has no masked family
         return [(f"tp{tp}-{dt}-{'masked' if m else 'unmasked'}", dict(tp=tp, dtype=dt, masked=m))
@@ -36,15 +37,15 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     config = metafunc.config
     try:
-        target = load_target(config.getoption("--target"))
+        target = load_target(option(config, "--target"))
     except TargetError as e:
         raise pytest.UsageError(f"harness: error: {e}") from None
     params, ids = [], []
-    for name, chk in all_checks(bitwise=config.getoption("bitwise")).items():
+    for name, chk in all_checks(bitwise=option(config, "bitwise")).items():
         for level in chk.levels:
             if level not in target.levels:
                 continue
-            for fam_id, fam in _families(level, config.harness_tp, target.supports("keep_mask"), config.harness_cp):
+            for fam_id, fam in _families(level, config.stash[TP], target.supports("keep_mask"), config.stash[CP]):
                 if fam["tp"] * fam.get("cp", 1) < chk.min_tp:
                     continue
                 params.append((name, level, fam))
@@ -69,7 +70,7 @@ def test_check(harness_runner, request, check_name: str, level: str, family: dic
     chk = runner.checks[check_name]
     applied = []
 
-    @settings(max_examples=request.config.harness_profile.pytest_examples)
+    @settings(max_examples=request.config.stash[PROFILE].pytest_examples)
     @given(st.data())
     def run(data):
         __tracebackhide__ = True
