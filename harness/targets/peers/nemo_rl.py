@@ -69,8 +69,7 @@ def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False
                                "initialise torch.distributed")
         tp_group = dist.group.WORLD
     # Imported from the user's NeMo-RL tree (docs/peers.md), not from an installed package.
-    from nemo_rl.distributed.model_utils import (  # pyright: ignore[reportMissingImports]
-        ChunkedDistributedLogprob, DistributedLogprob)
+    from nemo_rl.distributed.model_utils import ChunkedDistributedLogprob, DistributedLogprob  # pyright: ignore[reportMissingImports]
 
     v_local = logits.shape[1]
     start = dist.get_rank(tp_group) * v_local
@@ -152,8 +151,7 @@ def _packed_rows(x: torch.Tensor, tokens: list[torch.Tensor], lengths: list[int]
     targets unrolled, each sequence padded with 0 to its padded length (NeMo-RL rolls and CP-shards
     them itself), `cu_seqlens_padded` the padded boundaries."""
     # Imported from the user's NeMo-RL tree (docs/peers.md), not from an installed package.
-    from nemo_rl.distributed.model_utils import (  # pyright: ignore[reportMissingImports]
-        from_parallel_logits_to_logprobs_packed_sequences)
+    from nemo_rl.distributed.model_utils import from_parallel_logits_to_logprobs_packed_sequences  # pyright: ignore[reportMissingImports]
 
     target = torch.cat([torch.nn.functional.pad(t, (0, p - n)) for t, n, p in zip(tokens, lengths, padded, strict=True)]
                        or [torch.zeros(0, dtype=torch.long, device=x.device)]).unsqueeze(0)

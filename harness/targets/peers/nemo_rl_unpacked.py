@@ -28,9 +28,9 @@ HARNESS_PEER = dict(
 def _per_sequence_rows(x: torch.Tensor, tokens: list[torch.Tensor], lengths: list[int], padded: list[int],
                        call: dict) -> list[torch.Tensor]:
     from megatron.core import parallel_state as mpu
+
     # Imported from the user's NeMo-RL tree (docs/peers.md), not from an installed package.
-    from nemo_rl.distributed.model_utils import (  # pyright: ignore[reportMissingImports]
-        from_parallel_logits_to_logprobs)
+    from nemo_rl.distributed.model_utils import from_parallel_logits_to_logprobs  # pyright: ignore[reportMissingImports]
 
     cp = mpu.get_context_parallel_world_size()
     tp_group = parallel_state_group(None, "NeMo-RL's Megatron policy worker")
