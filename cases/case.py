@@ -9,7 +9,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -103,8 +103,9 @@ class WrapperInputs:
     def total_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if self.w_log_probs_2 is None:
             return self.w_log_probs, self.w_entropy
-        return ([a + b for a, b in zip(self.w_log_probs, self.w_log_probs_2)],
-                [a + b for a, b in zip(self.w_entropy, self.w_entropy_2)])
+        assert self.w_entropy_2 is not None  # the second call's weights come as a pair
+        return ([a + b for a, b in zip(self.w_log_probs, self.w_log_probs_2, strict=True)],
+                [a + b for a, b in zip(self.w_entropy, self.w_entropy_2, strict=True)])
 
 
 REPLICA_SEED_STRIDE = 1_000_003
@@ -124,6 +125,19 @@ def valid_values(cls: type) -> dict[str, tuple[str, ...]]:
 
 class _CaseBase:
     level: ClassVar[str]
+    # What every level's dataclass declares, named for the type checker: the annotations of a base
+    # that is not itself a dataclass make no fields.
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+    tp: int
+    v_local: int
+    seed: int
+    context: str
+    chunk_size: int
+    with_entropy: bool
+
+    if TYPE_CHECKING:
+        @property
+        def expects_entropy_grad(self) -> bool: ...
 
     def __post_init__(self) -> None:
         for name, allowed in valid_values(type(self)).items():
@@ -240,7 +254,7 @@ class KernelCase(_CaseBase):
             full = self.replace(T=self.batch_of, batch_of=0, row_start=0).inputs()
             rows = slice(self.row_start, self.row_start + self.T)
             pick = lambda t: None if t is None else t[rows].clone()  # noqa: E731
-            return KernelInputs(*(pick(getattr(full, f.name)) for f in dataclasses.fields(full)))
+            return dataclasses.replace(full, **{f.name: pick(getattr(full, f.name)) for f in dataclasses.fields(full)})
         g = _generator(self.seed)
         T, V = self.T, self.vocab
         logits = _logits(g, T, V, self.regime, DTYPES[self.dtype])

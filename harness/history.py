@@ -79,6 +79,7 @@ class Git:
         blob by blob, those left out; their paths are returned (none when the archive worked)."""
         archive = subprocess.Popen(["git", "--git-dir", self.dir, "archive", sha], stdout=subprocess.PIPE,
                                    stderr=subprocess.DEVNULL)
+        assert archive.stdout is not None  # stdout=PIPE
         try:
             untar = subprocess.run(["tar", "-x", "-C", str(dest)], stdin=archive.stdout, capture_output=True,
                                    timeout=600)
@@ -214,7 +215,7 @@ def run_all(git: Git, todo: list[Commit], ns: argparse.Namespace, workdir: Path)
             outcome = outcomes[commit.sha] = future.result()
             elapsed = time.perf_counter() - start
             left = elapsed / done * (len(todo) - done)
-            what = outcome.status if outcome.status != "checked" else \
+            what = outcome.status if outcome.status != "checked" or outcome.result is None else \
                 f"{len(outcome.result['findings'])} new finding(s)"
             print(f"[history] commit {done} of {len(todo)}: {commit.short} {commit.subject[:50]}: {what} "
                   f"({outcome.seconds:.0f}s); elapsed {elapsed:.0f}s, about {left:.0f}s left",

@@ -13,10 +13,15 @@ reach it). `--strict` makes known findings and stale entries fail the run too.
 """
 from __future__ import annotations
 
-import tomllib
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the same parser, before it joined the standard library (installed on 3.10 only: pyproject)
+    import tomli as tomllib  # pyright: ignore[reportMissingImports]
 
 from cases.case import CASE_TYPES, fmt_field, parse_case, valid_values
 from harness.checks import BASELINE_CHECKS, all_checks

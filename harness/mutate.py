@@ -156,7 +156,7 @@ def cmd_mutate(ns: argparse.Namespace, cfg: RunConfig) -> int:
     if unknown:
         raise UsageError(f"unknown mutant(s) {', '.join(unknown)}; see --list")
     own = cfg.pools is None
-    pools: dict[int, WorkerPool] = {} if own else cfg.pools
+    pools: dict[int, WorkerPool] = {} if cfg.pools is None else cfg.pools
     start = time.perf_counter()
     try:
         results = run_catalog(ns.mutants or None, cfg.tp, pools, ns.budget, ns.seed, cfg.collective_timeout_s,

@@ -26,7 +26,7 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from cases.benchmarks import PERF_CASES
 from cases.capabilities import needs
@@ -90,16 +90,17 @@ def finish(ns: argparse.Namespace, runner: Runner, result: dict[str, Any]) -> li
 # ---------------------------------------------------------------------------- recording
 def benchmark_cases(runner: Runner, tps: list[int]) -> list[KernelCase]:
     """The benchmark cases at these TP sizes, fitted to what the target can take."""
-    return list(dict.fromkeys(runner.fit(c) for c in PERF_CASES if c.tp in tps))
+    # `fit` keeps a case's class: these stay kernel cases.
+    return list(dict.fromkeys(cast(KernelCase, runner.fit(c)) for c in PERF_CASES if c.tp in tps))
 
 
 def code_fingerprint(target: Target) -> str:
     """sha256 of the source files behind the target's kernel: its module and, for a bound routine,
     every class it inherits from. Equal fingerprints: the same code, whatever it is called."""
     fn = target.kernel
-    owners = type(fn.__self__).__mro__ if hasattr(fn, "__self__") else ()
+    owners = type(fn.__self__).__mro__ if fn is not None and hasattr(fn, "__self__") else ()
     files = set()
-    for obj in (fn, *owners):
+    for obj in (fn, *owners) if fn is not None else ():
         try:
             files.add(inspect.getsourcefile(obj))
         except TypeError:  # builtins (object) have no source
@@ -137,9 +138,9 @@ def collective_counts(ranks: list[RankResult]) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def memory_figures(ranks: list[RankResult]) -> dict[str, int]:
+def memory_figures(ranks: list[RankResult]) -> dict[str, int | float]:
     """Memory figures (bytes), the largest over ranks, plus `peak_bytes` = the larger peak."""
-    out: dict[str, int] = {}
+    out: dict[str, int | float] = {}
     for r in ranks:
         if not r.obs.memory:
             continue
@@ -319,7 +320,7 @@ def compare(runner: Runner, base: dict[str, Any], threshold: float = DEFAULT_THR
     if not memory_comparable:
         cmp.notes.append(f"memory: not compared, the baseline was measured by the {base_ledger} ledger and this run "
                          f"by the {ledger} one (their figures may differ; HARNESS_LEDGER={base_ledger} compares).")
-    entries = [(parse_case(e["case"]), e) for e in base["cases"]]
+    entries = [(cast(KernelCase, parse_case(e["case"])), e) for e in base["cases"]]  # the gate's cases: kernel cases
     counted = _instructions(runner.target.spec, [c for c, e in entries if "instructions" in e], runner.device, say)
     same_env = counted.get("environment") == base.get("environment")
     if "skipped" in counted:

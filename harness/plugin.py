@@ -24,6 +24,14 @@ NAMES = ("target", "tp", "cp", "device", "collective_timeout", "case_timeout", "
 FIXTURES = ("harness_runner", "harness_pools")
 LAUNCH_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK")  # as `torchrun.active` reads them (no torch import here)
 
+# The session's state, kept in pytest's stash on its Config.
+PROFILE = pytest.StashKey[Profile]()
+TP = pytest.StashKey[list[int]]()
+CP = pytest.StashKey[list[int]]()  # the CP sizes > 1
+LAUNCHED = pytest.StashKey[Any]()  # the torchrun world rank 0 drives
+EXITSTATUS = pytest.StashKey[int]()
+KNOWN_RUNNER = pytest.StashKey[Any]()  # the runner whose known findings the summary lists
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     options.add_pytest(parser, NAMES)
@@ -63,7 +71,7 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
         return pytest.ExitCode.USAGE_ERROR  # rank 0 says why
     if torchrun.rank() != 0:
         return world.serve()
-    config.harness_launched = world
+    config.stash[LAUNCHED] = world
     return None
 
 
@@ -119,7 +127,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    runner = getattr(config, "harness_known_runner", None)
+    runner = config.stash.get(KNOWN_RUNNER, None)
     if runner is None:
         return
     terminalreporter.section("harness known findings")
@@ -129,9 +137,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    world = getattr(config, "harness_launched", None)
+    world = config.stash.get(LAUNCHED, None)
     if world is not None:  # release the serving ranks with this session's exit code
-        world.stop(getattr(config, "harness_exitstatus", pytest.ExitCode.INTERNAL_ERROR))
+        world.stop(config.stash.get(EXITSTATUS, pytest.ExitCode.INTERNAL_ERROR))
 
 
 @pytest.fixture(scope="session")
@@ -161,7 +169,7 @@ def harness_runner(request: pytest.FixtureRequest, harness_pools):
     try:
         runner = Runner.for_run(run_config(request.config, harness_pools))
         if runner.known.path:
-            request.config.harness_known_runner = runner
+            request.config.stash[KNOWN_RUNNER] = runner
     except HarnessError as e:
         pytest.exit(f"harness: error: {e}", returncode=2)
     yield runner

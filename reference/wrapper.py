@@ -54,7 +54,7 @@ def shifted_targets(unconcat_tokens: list[Tensor], total_lengths: list[int]) -> 
     if len(unconcat_tokens) != len(total_lengths):
         raise ValueError("unconcat_tokens and total_lengths differ in length")
     parts = []
-    for toks, length in zip(unconcat_tokens, total_lengths):
+    for toks, length in zip(unconcat_tokens, total_lengths, strict=True):
         toks = toks.reshape(-1).to(torch.int64)
         if toks.numel() != int(length):
             raise ValueError(f"sample has {toks.numel()} tokens, total_length says {length}")
@@ -71,7 +71,7 @@ def response_rows(total_lengths: list[int], response_lengths: list[int]) -> list
     if len(total_lengths) != len(response_lengths):
         raise ValueError("total_lengths and response_lengths differ in length")
     rows = []
-    for o, length, r in zip(_offsets(total_lengths), total_lengths, response_lengths):
+    for o, length, r in zip(_offsets(total_lengths), total_lengths, response_lengths, strict=True):
         length, r = int(length), int(r)
         # The first response token is predicted by the row before it, so a prompt of >= 1 token
         # is needed; otherwise the row would fall into the previous sample.
@@ -112,7 +112,7 @@ def top_p_keep_mask(
         raise ValueError("top-p replay needs one ids and one offsets entry per sample")
     mask = torch.ones(T, V, dtype=torch.bool)
     for rows, ids, offsets in zip(response_rows(total_lengths, response_lengths), top_p_token_ids,
-                                  top_p_token_offsets):
+                                  top_p_token_offsets, strict=True):
         if ids is None or offsets is None:
             raise ValueError("a sample's top-p ids or offsets are None: not part of the interface "
                              "(a sample without a recorded nucleus has a short offsets list)")
@@ -177,7 +177,7 @@ def wrapper_outputs(
 def _scatter_rows(per_sample: list[Tensor], rows: list[Tensor], T: int, device: torch.device) -> Tensor:
     # Rows outside every response get weight 0; response rows never overlap across samples.
     w = torch.zeros(T, dtype=torch.float64, device=device)
-    for values, r in zip(per_sample, rows):
+    for values, r in zip(per_sample, rows, strict=True):
         w[r] = values.reshape(-1).to(device=device, dtype=torch.float64)
     return w
 

@@ -79,7 +79,7 @@ def sharded(case: LinearCase) -> Outputs:
     g += w2.unsqueeze(-1) * -p * (x - lse.unsqueeze(-1) + ent.unsqueeze(-1))
     gs = g.chunk(case.tp, -1)
     dh = torch.zeros_like(h)
-    for gr, s in zip(gs, shards):
+    for gr, s in zip(gs, shards, strict=True):
         dh = dh + (gr @ s).to(h.dtype)
     dw = torch.cat([(gr.T @ hf).to(w.dtype) for gr in gs])
     return {"log_prob": lp, "entropy": ent, "grad_hidden": dh, "grad_weight": dw}

@@ -66,7 +66,7 @@ def _reference(logits, tokens, lengths, responses, weights, temperature):
     per_row = torch.zeros(x.shape[0], dtype=torch.float64)  # log p at response rows, else 0
     w_row = torch.zeros(x.shape[0], dtype=torch.float64)
     offset = 0
-    for toks, n, r, w in zip(tokens, lengths, responses, weights):
+    for toks, n, r, w in zip(tokens, lengths, responses, weights, strict=True):
         rows = torch.arange(offset + n - r - 1, offset + n - 1)
         per_row[rows] = logp[rows, toks[n - r:]].detach()
         w_row[rows] = w
@@ -139,7 +139,7 @@ def _rank(rank: int, tp: int, cp: int, port: int, shim: bool, grad: bool, failur
 def _is_response(rows: torch.Tensor, lengths, responses) -> torch.Tensor:
     keep = torch.zeros(sum(lengths), dtype=torch.bool)
     offset = 0
-    for n, r in zip(lengths, responses):
+    for n, r in zip(lengths, responses, strict=True):
         keep[offset + n - r - 1:offset + n - 1] = bool(r)
         offset += n
     return keep[rows]

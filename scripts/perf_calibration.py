@@ -102,8 +102,9 @@ def rates(ns: argparse.Namespace, say) -> list[dict]:
             for i in range(ns.comparisons):
                 for name, inject in settings:
                     r, rounds = perf.sequential_ratio(
-                        lambda seed: paired_pairs(pools[case.tp], case, ns.pairs, 1000 * i + seed, ns.clock,
-                                                  inject, ns.block), ns.threshold)
+                        lambda seed, case=case, i=i, inject=inject: paired_pairs(
+                            pools[case.tp], case, ns.pairs, 1000 * i + seed, ns.clock, inject, ns.block),
+                        ns.threshold)
                     runs[name].append({"median": r.median, "low": r.low, "high": r.high, "rounds": rounds,
                                        "verdict": r.verdict(ns.threshold)})
             say(f"{label(case)}: " + ", ".join(

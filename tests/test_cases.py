@@ -66,12 +66,12 @@ def test_partial_top_p_draws_every_encoding_slime_receives():
     for seed in range(40):
         w = WrapperCase(tp=1, v_local=6, total_lengths=(8, 8), response_lengths=(5, 6), top_p="partial",
                         seed=seed).inputs()
-        for ids, offs, R in zip(w.top_p_token_ids, w.top_p_token_offsets, (5, 6)):
+        for ids, offs, R in zip(w.top_p_token_ids, w.top_p_token_offsets, (5, 6), strict=True):
             assert ids is not None and offs is not None
             seen.add(type(ids).__name__)
             offs = [int(o) for o in offs]
             seen.add("short" if len(offs) < R + 1 else "full")
-            if any(b == a for a, b in zip(offs, offs[1:])):
+            if any(b == a for a, b in zip(offs, offs[1:], strict=False)):
                 seen.add("empty")
             if len(offs) <= 1:
                 seen.add("none recorded")

@@ -125,7 +125,7 @@ def test_wrapper_slime_top_p(name):
                      response_lengths=resp, with_entropy=True, top_p_token_ids=ids, top_p_token_offsets=offsets)
     x = logits[0].double() / 0.5
     full = torch.log_softmax(x, -1)
-    for i, (o, L, R) in enumerate(zip([0, 5], lengths, resp)):
+    for i, (o, L, R) in enumerate(zip([0, 5], lengths, resp, strict=True)):
         rows = torch.arange(o + L - R - 1, o + L - 1)
         tgt = toks[i][L - R:]
         want = full[rows, tgt].clone()

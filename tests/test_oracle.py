@@ -326,7 +326,7 @@ def _naive_wrapper(z, args, tokens_list, total, resp, with_entropy, w_lp, w_ent,
     tau = getattr(args, "rollout_temperature", 1.0)
     coef = getattr(args, "entropy_coef", 0.0)
     lps, ents, loss, start = [], [], z.new_zeros(()), 0
-    for i, (toks, L, R) in enumerate(zip(tokens_list, total, resp)):
+    for i, (toks, L, R) in enumerate(zip(tokens_list, total, resp, strict=True)):
         lp_i, ent_i = [], []
         for k in range(R):
             pos = L - R + k  # index of the response token in the sample
@@ -379,11 +379,11 @@ def test_wrapper_matches_naive(top_p, temperature, with_entropy, coef):
     assert torch.equal(z, z_before)
     assert out["entropy_requires_grad"] is (with_entropy and coef != 0)
     assert [t.shape[0] for t in out["log_probs"]] == PACK_RESP
-    for a, b in zip(out["log_probs"], lps):
+    for a, b in zip(out["log_probs"], lps, strict=True):
         assert a.dtype == F64
         _close(a, b)
     if with_entropy:
-        for a, b in zip(out["entropy"], ents):
+        for a, b in zip(out["entropy"], ents, strict=True):
             _close(a, b)
     else:
         assert out["entropy"] is None
@@ -412,7 +412,7 @@ def test_wrapper_entropy_term_follows_rule_and_top_p_is_log_prob_only():
     plain = ref.wrapper_outputs(z, args, tokens, PACK_TOTAL, PACK_RESP, True)
     top_p = ref.wrapper_outputs(z, args, tokens, PACK_TOTAL, PACK_RESP, True, PACK_IDS, PACK_OFFSETS)
     assert plain["entropy_requires_grad"] is False
-    for a, b in zip(plain["entropy"], top_p["entropy"]):
+    for a, b in zip(plain["entropy"], top_p["entropy"], strict=True):
         assert torch.equal(a, b)
     assert not torch.equal(plain["log_probs"][0], top_p["log_probs"][0])
 
@@ -430,8 +430,8 @@ def test_wrapper_temperature_chain_rule_by_gradcheck():
         def forward(ctx, z):
             ctx.save_for_backward(z)
             out = ref.wrapper_outputs(z, args, tokens, PACK_TOTAL, PACK_RESP, True, PACK_IDS, PACK_OFFSETS)
-            lp = sum((w * v).sum() for w, v in zip(w_lp, out["log_probs"]))
-            return lp + sum((w * v).sum() for w, v in zip(w_ent, out["entropy"]))
+            lp = sum((w * v).sum() for w, v in zip(w_lp, out["log_probs"], strict=True))
+            return lp + sum((w * v).sum() for w, v in zip(w_ent, out["entropy"], strict=True))
 
         @staticmethod
         def backward(ctx, g):

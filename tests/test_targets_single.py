@@ -430,7 +430,7 @@ def test_saves_nothing_without_grad():
     for req, ctx in ((False, torch.enable_grad()), (True, torch.no_grad())):
         lg = logits.clone().requires_grad_(req)
         with ctx:
-            nbytes, _ = saved_bytes(lambda: fused.calculate_log_probs_and_entropy(
+            nbytes, _ = saved_bytes(lambda lg=lg: fused.calculate_log_probs_and_entropy(
                 lg, t, None, with_entropy=True), lg)
         assert nbytes == 0
 
@@ -450,7 +450,7 @@ def expected_wrapper(logits, toks, total, resp, temp, top_ids=None, top_offs=Non
     x = logits.detach().double().squeeze(0) / temp
     lps, ents = [], []
     o = 0
-    for i, (L, R) in enumerate(zip(total, resp)):
+    for i, (L, R) in enumerate(zip(total, resp, strict=True)):
         lp_i, ent_i = [], []
         for r in range(R):
             row = o + L - R - 1 + r

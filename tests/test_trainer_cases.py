@@ -76,7 +76,7 @@ def test_strategies_draw_the_new_cases():
     @settings(max_examples=300, derandomize=True, database=None, deadline=None)
     @given(kernel_cases())
     def kernel(case):
-        seen.add(f"kernel-deep" if case.T > 24 else case.context)
+        seen.add("kernel-deep" if case.T > 24 else case.context)
 
     @settings(max_examples=200, derandomize=True, database=None, deadline=None)
     @given(linear_cases())

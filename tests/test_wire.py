@@ -74,5 +74,5 @@ def test_a_rank_result_round_trips_whole():
     assert (back.rank, back.replica, back.groups, back.obs.stage, back.obs.memory, back.obs.log_prob_meta) == \
            (1, 1, (1, 2), "backward", result.obs.memory, result.obs.log_prob_meta)
     _same(result.obs.grad, back.obs.grad)
-    for a, b in zip(result.obs.entropy, back.obs.entropy):
+    for a, b in zip(result.obs.entropy, back.obs.entropy, strict=True):
         _same(a, b)

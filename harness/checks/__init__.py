@@ -68,9 +68,10 @@ class Evidence:
         that CP rank's local rows), or at the linear level the LM head's [V, H] (along the first).
         `second`: the second call's, in a two_inputs context."""
         shards = [r.obs.grad_2 if second else r.obs.grad for r in (group if group is not None else self.groups()[0])]
-        if any(s is None for s in shards):
+        present = [s for s in shards if s is not None]
+        if len(present) != len(shards):
             return None
-        return torch.cat(shards, dim=0 if self.case.level == "linear" else -1)
+        return torch.cat(present, dim=0 if self.case.level == "linear" else -1)
 
     def compare(self, actual: Any, expected: torch.Tensor, bound: torch.Tensor, what: str) -> list[str]:
         """`tolerance.compare`, also recording how much of the bound was used (for the margin plots)."""
@@ -200,8 +201,8 @@ REGISTRY: dict[str, Check] = {}
 
 
 def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
-          applies: Callable[[Case, Target], bool] = lambda c, t: True,
-          twin: Callable[[Case], Case | None] | None = None,
+          applies: Callable[[Any, Target], bool] = lambda c, t: True,  # Any: `levels` decides the case's class
+          twin: Callable[[Any], Case | None] | None = None,
           needs: str | None = "backward", min_tp: int = 1, reads: tuple[str, ...] = (),
           family: str = "default", explain: ExplainFn | None = None,
           twin_in_same_process: bool = False, requires: RequiresFn | None = None) -> Callable[[CheckFn], CheckFn]:
@@ -250,7 +251,7 @@ def bitwise_diff(a: Any, b: Any, what: str) -> list[str]:
     if isinstance(a, list) or isinstance(b, list):
         if not isinstance(a, list) or not isinstance(b, list) or len(a) != len(b):
             return [f"{what}: {_kind(a)} vs {_kind(b)}"]
-        return [p for i, (x, y) in enumerate(zip(a, b)) for p in bitwise_diff(x, y, f"{what}[{i}]")]
+        return [p for i, (x, y) in enumerate(zip(a, b, strict=True)) for p in bitwise_diff(x, y, f"{what}[{i}]")]
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return [f"{what}: {_kind(a)} vs {_kind(b)}"]
     if a.dtype != b.dtype or a.numel() != b.numel():

@@ -11,7 +11,7 @@ not expected of any routine. `tp-invariance` holds it to the float32 tolerance i
 """
 from __future__ import annotations
 
-from cases.case import Case, KernelCase
+from cases.case import Case, KernelCase, WrapperCase
 from harness.checks import Evidence, bitwise_diff, check
 
 BITWISE = "bitwise"
@@ -26,7 +26,7 @@ def _compare(ev: Evidence, other: Evidence, what: str, start: int = 0, count: in
     """`other`'s outputs and gradient against rows [start, start + count) of `ev`'s (all rows:
     count None), rank by rank, bit for bit."""
     problems = []
-    for mine, theirs in zip(ev.ranks, other.ranks):
+    for mine, theirs in zip(ev.ranks, other.ranks, strict=True):
         a, b = mine.obs, theirs.obs
         pick = (lambda t: t) if count is None else (lambda t: _rows(t, start, count))  # noqa: E731
         for key in ("log_prob", "entropy", "grad"):
@@ -34,7 +34,7 @@ def _compare(ev: Evidence, other: Evidence, what: str, start: int = 0, count: in
     return problems
 
 
-def _repeat(c: Case) -> Case | None:
+def _repeat(c: KernelCase | WrapperCase) -> Case | None:  # the levels of `determinism`
     return c.replace(repeat=c.repeat + 1) if c.T > 0 else None
 
 

@@ -2,6 +2,8 @@
 rank issues the same collectives, and the caller's inputs survive."""
 from __future__ import annotations
 
+import torch
+
 from harness.checks import CALL_LEVELS, Evidence, bitwise_diff, check
 from harness.meters.trace import fmt_event
 from harness.observations import HANG_KINDS, HARNESS_STEP
@@ -56,7 +58,7 @@ def empty_input(ev: Evidence) -> list[str]:
     problems = _errors(ev)
     for r in ev.ranks:
         for key, out in (("log_prob", r.obs.log_prob), ("entropy", r.obs.entropy)):
-            if out is not None and out.numel():
+            if isinstance(out, torch.Tensor) and out.numel():
                 problems.append(f"rank {r.rank}: {key} has {out.numel()} elements for T == 0")
     return problems
 
@@ -89,9 +91,10 @@ def _diverge(ranks: list, trace, over: str = "", stopped: bool = False) -> list[
     if all(s == seqs[0] for s in seqs):
         return []
     names = [r.name for r in ranks]
-    counts = ", ".join(f"{n} issued {len(s)}" for n, s in zip(names, seqs))
+    counts = ", ".join(f"{n} issued {len(s)}" for n, s in zip(names, seqs, strict=True))
     first = next(i for i in range(max(map(len, seqs))) if len({tuple(s[i:i + 1]) for s in seqs}) > 1)
-    detail = "; ".join(f"{n}: {fmt_event(s[first]) if first < len(s) else 'nothing'}" for n, s in zip(names, seqs))
+    detail = "; ".join(f"{n}: {fmt_event(s[first]) if first < len(s) else 'nothing'}"
+                       for n, s in zip(names, seqs, strict=True))
     return [f"ranks diverge{over}: {counts}; first difference at collective #{first + 1}: {detail}"]
 
 

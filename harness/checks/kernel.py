@@ -3,9 +3,11 @@ the fused-linear level too (`calculate_linear_log_probs_and_entropy`, docs/fused
 gradients are two: the hidden states' (the same full gradient on every rank) and the weight shard's."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from cases.case import KernelCase, LinearCase
+from cases.case import Case, KernelCase, LinearCase
 from harness.checks import Evidence, check
 from harness.checks.terms import kernel_terms
 
@@ -30,14 +32,20 @@ def values(ev: Evidence) -> list[str]:
     problems = []
     for r in ev.ranks:  # every DP replica against the oracle of its own data
         exp = ev.expected_for(r)
+        assert isinstance(exp.log_prob, torch.Tensor) and isinstance(exp.log_prob_tol, torch.Tensor)  # not per sample
         problems += ev.compare(r.obs.log_prob, exp.log_prob, exp.log_prob_tol, f"{r.name} log_prob")
-        if exp.entropy is not None and r.obs.entropy is not None:
+        if isinstance(exp.entropy, torch.Tensor) and isinstance(exp.entropy_tol, torch.Tensor) \
+                and r.obs.entropy is not None:
             problems += ev.compare(r.obs.entropy, exp.entropy, exp.entropy_tol, f"{r.name} entropy")
     return problems
 
 
+def _gradient_terms(ev: Evidence, run: Callable[[Case], Evidence]) -> str:
+    return kernel_terms(ev, run, gradients)
+
+
 @check("gradients", levels=KERNEL, applies=lambda c, t: c.T > 0 and c.has_backward, reads=("autograd",),
-       explain=lambda ev, run: kernel_terms(ev, run, gradients))
+       explain=_gradient_terms)
 def gradients(ev: Evidence) -> list[str]:
     """The local gradient is the local slice of the oracle's gradient of sum(w1*lp) + sum(w2*H);
     with two calls (accumulated microbatches, or two losses summed in one graph), the sum of both;
@@ -59,14 +67,15 @@ def _gradients(ev: Evidence, group: list, second: bool) -> list[str]:
     if ev.case.level != "linear":
         if grad is None:
             return [f"no gradient reached the logits{call} (log_prob is not differentiable)"]
+        assert exp.grad is not None and exp.grad_tol is not None  # the check applies to cases with a backward
         return ev.compare(grad, exp.grad, exp.grad_tol, f"grad (all shards){call}")
     problems = []
-    if exp.grad is not None:
+    if exp.grad is not None and exp.grad_tol is not None:
         if grad is None:
             problems.append(f"no gradient reached the weight shard{call}")
         else:
             problems += ev.compare(grad, exp.grad, exp.grad_tol, f"weight grad (all shards){call}")
-    if exp.grad_hidden is None:
+    if exp.grad_hidden is None or exp.grad_hidden_tol is None:
         return problems
     # Column-parallel: every rank must hold the full gradient of the replicated hidden states.
     for r in group:
@@ -84,10 +93,12 @@ def grad_flags(ev: Evidence) -> list[str]:
     level: the hidden states and weight require grad) (and
     autograd on: nothing carries a gradient under no_grad / inference_mode); entropy is None
     exactly when not requested; log_prob follows the logits."""
-    c: KernelCase | LinearCase = ev.case
+    c = ev.case
+    assert isinstance(c, (KernelCase, LinearCase))  # levels=KERNEL
     problems = []
     for r in ev.ranks:
         lp, ent = r.obs.log_prob_meta, r.obs.entropy_meta
+        assert not isinstance(lp, list) and not isinstance(ent, list)  # one tensor each at these levels
         if lp and lp.requires_grad != c.grad_on:
             problems.append(f"rank {r.rank}: log_prob.requires_grad={lp.requires_grad}, "
                             f"inputs' requires_grad={c.requires_grad}, context {c.context}")
@@ -107,13 +118,15 @@ def grad_flags(ev: Evidence) -> list[str]:
 def shapes_dtypes(ev: Evidence) -> list[str]:
     """T elements out, float32 out, the gradient in the logits' dtype and shape (linear level: the
     weight shard's and the hidden states' gradients in their dtype and shape)."""
-    c: KernelCase | LinearCase = ev.case
+    c = ev.case
+    assert isinstance(c, (KernelCase, LinearCase))  # levels=KERNEL
     want_grad_dtype = _DTYPE_NAMES[c.dtype]
     problems = []
     for r in ev.ranks:
         for key, meta in (("log_prob", r.obs.log_prob_meta), ("entropy", r.obs.entropy_meta)):
             if meta is None:
                 continue
+            assert not isinstance(meta, list)  # one tensor at these levels
             shape = meta.shape
             if meta.numel != c.T or len(shape) > 2 or (len(shape) == 2 and shape[1] != 1):
                 problems.append(f"rank {r.rank}: {key} shape {list(shape)}, expected [{c.T}] or [{c.T}, 1]")
@@ -154,7 +167,7 @@ def _outputs_match(ev: Evidence, other: Evidence, what: str) -> list[str]:
     # Both sides carry their own float32 error: twice the bound.
     for key, bound in (("log_prob", exp.log_prob_tol), ("entropy", exp.entropy_tol)):
         a, b = getattr(ev.obs(), key), getattr(other.obs(), key)
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and bound is not None \
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and isinstance(bound, torch.Tensor) \
                 and b.numel() == bound.numel():
             problems += ev.compare(a, b.to(torch.float64).reshape(bound.shape), 2 * bound, f"{key} vs {what}")
     pairs = [("grad", ev.full_grad(), other.full_grad(), exp.grad_tol),

@@ -103,7 +103,8 @@ def chunk_passthrough(ev: Evidence) -> list[str]:
     bytes match the target kernel's own at that chunk size on the same rows (temperature 1, no
     top-p), within O(T) and the wrapper's `allowance` (a contiguous copy of non-contiguous logits);
     so they differ from the unchunked figures wherever the kernel's do."""
-    c: WrapperCase = ev.case
+    c = ev.case
+    assert isinstance(c, WrapperCase)
     problems = []
     for r in range(len(ev.ranks)):
         got, kernel = _mem(ev, r), ev.ranks[r].obs.kernel_pass
@@ -252,7 +253,8 @@ def linear_retained(ev: Evidence) -> list[str]:
     """The fused-linear forward retains O(T*H), not O(T*V_local): at most a float32 copy of the
     hidden states and of the weight shard when they are not float32, plus O(T) row statistics and
     the outputs. A routine that saves its [T, V_local] logits or softmax for backward fails."""
-    c: LinearCase = ev.case
+    c = ev.case
+    assert isinstance(c, LinearCase)
     allowed = linear_retained_allowance(c)
     problems = []
     for r in range(len(ev.ranks)):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -48,11 +49,12 @@ def expected_on(case: Case, cp_rank: int = 0) -> Expected:
     sample, the values at its response positions (reference.cp), and the gradient on its own local
     rows (0 on padding rows). At CP 1, and for the kernel and linear levels, the oracle itself."""
     full = expected(case)
-    if getattr(case, "cp", 1) == 1:
+    if not isinstance(case, WrapperCase) or case.cp == 1:
         return full
     positions = [torch.tensor(response_positions(L, R, case.cp, cp_rank), dtype=torch.int64)
-                 for L, R in zip(case.total_lengths, case.response_lengths)]
-    pick = lambda values: None if values is None else [v[p] for v, p in zip(values, positions)]  # noqa: E731
+                 for L, R in zip(case.total_lengths, case.response_lengths, strict=True)]
+    at = lambda values: [v[p] for v, p in zip(values, positions, strict=True)]  # noqa: E731
+    pick = lambda values: None if values is None else at(values)  # noqa: E731
     rows = torch.tensor(local_rows(list(case.total_lengths), case.cp, case.cp_layout, cp_rank), dtype=torch.int64)
     real = rows != PAD
 
@@ -62,8 +64,8 @@ def expected_on(case: Case, cp_rank: int = 0) -> Expected:
         out = t.new_zeros((rows.numel(), t.shape[-1]))
         out[real] = t[rows[real]]
         return out
-    return Expected(log_prob=pick(full.log_prob), entropy=pick(full.entropy), grad=local(full.grad),
-                    entropy_requires_grad=full.entropy_requires_grad, log_prob_tol=pick(full.log_prob_tol),
+    return Expected(log_prob=at(full.log_prob), entropy=pick(full.entropy), grad=local(full.grad),
+                    entropy_requires_grad=full.entropy_requires_grad, log_prob_tol=at(full.log_prob_tol),
                     entropy_tol=pick(full.entropy_tol), grad_tol=local(full.grad_tol))
 
 
@@ -115,9 +117,9 @@ def _linear(case: LinearCase) -> Expected:
     return Expected(
         log_prob=reference.linear_log_probs(inp.hidden, inp.weight, inp.tokens),
         entropy=reference.linear_entropy(inp.hidden, inp.weight) if case.with_entropy else None,
-        grad=grads[1] if want_w else None, entropy_requires_grad=case.expects_entropy_grad,
+        grad=grads[1] if grads is not None and want_w else None, entropy_requires_grad=case.expects_entropy_grad,
         log_prob_tol=tol["log_prob"], entropy_tol=tol["entropy"] if case.with_entropy else None,
-        grad_tol=tol.get("grad_weight") if want_w else None, grad_hidden=grads[0] if want_h else None,
+        grad_tol=tol.get("grad_weight") if want_w else None, grad_hidden=grads[0] if grads is not None and want_h else None,
         grad_hidden_tol=tol.get("grad_hidden") if want_h else None,
     )
 
@@ -130,17 +132,19 @@ def _wrapper(case: WrapperCase) -> Expected:
     inp = case.inputs()
     args = case.args()
     lengths, responses = list(case.total_lengths), list(case.response_lengths)
-    common = dict(unconcat_tokens=inp.unconcat_tokens, total_lengths=lengths, response_lengths=responses,
-                  with_entropy=case.with_entropy, top_p_token_ids=inp.top_p_token_ids,
-                  top_p_token_offsets=inp.top_p_token_offsets)
+    common: dict[str, Any] = dict(unconcat_tokens=inp.unconcat_tokens, total_lengths=lengths, response_lengths=responses,
+                                  with_entropy=case.with_entropy, top_p_token_ids=inp.top_p_token_ids,
+                                  top_p_token_offsets=inp.top_p_token_offsets)
     out = reference.wrapper_outputs(inp.logits, args, **common)
     w_lp, w_ent = inp.total_weights()  # two calls into one gradient: the gradient is linear in the weights
     w2 = w_ent if out["entropy_requires_grad"] else None
     grad = reference.wrapper_logits_grad(inp.logits, args, w_log_probs=w_lp, w_entropy=w2, **common) \
         if case.grad_on else None
     if inp.w_log_probs_2 is not None:  # the error bound of two summed gradients
-        w_lp = [a.abs() + b.abs() for a, b in zip(inp.w_log_probs, inp.w_log_probs_2)]
-        w2 = [a.abs() + b.abs() for a, b in zip(inp.w_entropy, inp.w_entropy_2)] if w2 is not None else None
+        assert inp.w_entropy_2 is not None  # the second call's weights come as a pair
+        w_lp = [a.abs() + b.abs() for a, b in zip(inp.w_log_probs, inp.w_log_probs_2, strict=True)]
+        w2 = ([a.abs() + b.abs() for a, b in zip(inp.w_entropy, inp.w_entropy_2, strict=True)]
+              if w2 is not None else None)
     # The bounds are those of the kernel on the rows the wrapper hands it: the logits divided by the
     # temperature (one more float32 rounding of the input when it is not 1), shifted targets, the
     # replayed keep mask, and the response weights; the chain rule through 1/t scales the gradient.
@@ -170,6 +174,6 @@ def _wrapper(case: WrapperCase) -> Expected:
 def _scatter(per_sample: PerSample, rows: list[torch.Tensor], T: int) -> torch.Tensor:
     """Per-sample response weights as one [T] vector, 0 on the rows outside every response."""
     w = torch.zeros(T, dtype=torch.float64)
-    for values, r in zip(per_sample, rows):
+    for values, r in zip(per_sample, rows, strict=True):
         w[r] = values.to(torch.float64)
     return w

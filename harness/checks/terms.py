@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from cases.case import Case
+from cases.case import Case, KernelCase, LinearCase
 from harness.checks import CheckFn, Evidence
 
 _NAMES = {"log_prob": "log-prob", "entropy": "entropy"}
@@ -22,6 +22,7 @@ def _alone(run: Callable[[Case], Evidence], case: Case, check: CheckFn) -> bool 
 def kernel_terms(ev: Evidence, run: Callable[[Case], Evidence], check: CheckFn) -> str:
     """The verdict on each loss term of a failing kernel or fused-linear gradient."""
     c = ev.case
+    assert isinstance(c, (KernelCase, LinearCase))
     if c.loss_terms != "both" or not c.expects_entropy_grad:
         term = "entropy" if c.loss_terms == "entropy" else "log_prob"
         why = f"loss_terms={c.loss_terms}" if c.loss_terms != "both" else "the entropy carries no gradient here"

@@ -44,7 +44,7 @@ def growth(vocab: int, tp: int, chain: int | None = CHAIN) -> float:
     return d / (1.0 - d * U32)
 
 
-def _mask(x: torch.Tensor, tokens: torch.Tensor | None, keep_mask: torch.Tensor | None) -> torch.Tensor:
+def _mask(x: torch.Tensor, tokens: torch.Tensor, keep_mask: torch.Tensor | None) -> torch.Tensor:
     if keep_mask is None:
         return x
     keep = keep_mask.to(torch.bool, copy=True)

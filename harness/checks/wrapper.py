@@ -1,9 +1,11 @@
 """Level-2 checks of `get_log_probs_and_entropy`, the loss-side wrapper of slime PR #2153."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from cases.case import WrapperCase
+from cases.case import Case, WrapperCase
 from harness.checks import Evidence, check
 from harness.checks.terms import wrapper_terms
 from harness.observations import HARNESS_STEP
@@ -21,7 +23,7 @@ def _per_sample(ev: Evidence, key: str, what: str) -> list[str]:
         got = getattr(r.obs, key)
         if want is None or got is None or len(got) != len(want):
             continue  # counted by wrapper-extraction
-        for i, (g, w, b) in enumerate(zip(got, want, bounds)):
+        for i, (g, w, b) in enumerate(zip(got, want, bounds, strict=True)):
             problems += ev.compare(g, w, b, f"{r.name} sample {i} {what}")
     return problems
 
@@ -40,7 +42,8 @@ def _right_at_cp1(ev: Evidence, run) -> str:
 def extraction(ev: Evidence) -> list[str]:
     """One float32 tensor of R_i response values per sample, for log-probs and (when asked) entropy;
     at CP > 1, of the response positions that the rank's zigzag chunks hold."""
-    c: WrapperCase = ev.case
+    c = ev.case
+    assert isinstance(c, WrapperCase)  # levels=WRAPPER, as for every check of this module
     problems = []
     for r in ev.ranks:
         pieces = [int(v.numel()) for v in ev.expected_for(r).log_prob]
@@ -49,10 +52,11 @@ def extraction(ev: Evidence) -> list[str]:
                 if key == "entropy" and c.with_entropy:
                     problems.append(f"{r.name}: with_entropy=True but res has no 'entropy'")
                 continue
+            assert isinstance(metas, list)  # per sample at the wrapper level
             if len(metas) != len(c.response_lengths):
                 problems.append(f"{r.name}: {len(metas)} {key} entries for {len(c.response_lengths)} samples")
                 continue
-            for i, (m, n) in enumerate(zip(metas, pieces)):
+            for i, (m, n) in enumerate(zip(metas, pieces, strict=True)):
                 if m is None:
                     problems.append(f"{r.name}: {key}[{i}] is not a tensor")
                     continue
@@ -72,7 +76,8 @@ def extraction(ev: Evidence) -> list[str]:
 def entropy_coef_rule(ev: Evidence) -> list[str]:
     """slime PR #2153: the wrapper's entropy is differentiable exactly when entropy_coef != 0
     (absent and -0.0 are zero; a negative coefficient is a coefficient), whoever calls it."""
-    c: WrapperCase = ev.case
+    c = ev.case
+    assert isinstance(c, WrapperCase)
     coef = "absent" if c.entropy_coef is None else repr(c.entropy_coef)
     failed = [r for r in ev.failed_ranks if r.error_kind != HARNESS_STEP]
     if failed:
@@ -82,7 +87,9 @@ def entropy_coef_rule(ev: Evidence) -> list[str]:
             if c.entropy_coef is None else []
     problems = []
     for r in ev.ranks:
-        for i, m in enumerate(r.obs.entropy_meta or []):
+        metas = r.obs.entropy_meta or []
+        assert isinstance(metas, list)  # per sample at the wrapper level
+        for i, m in enumerate(metas):
             if m is not None and m.requires_grad != c.expects_entropy_grad:
                 problems.append(f"{r.name}: entropy[{i}].requires_grad={m.requires_grad} with entropy_coef={coef}; "
                                 f"expected {c.expects_entropy_grad}")
@@ -109,8 +116,12 @@ def top_p_replay(ev: Evidence) -> list[str]:
     return _per_sample(ev, "log_prob", "log-probs under top-p replay") + _per_sample(ev, "entropy", "entropy (never masked)")
 
 
+def _gradient_terms(ev: Evidence, run: Callable[[Case], Evidence]) -> str:
+    return wrapper_terms(ev, run, wrapper_gradients)
+
+
 @check("wrapper-gradients", levels=WRAPPER, applies=lambda c, t: sum(c.response_lengths) > 0, reads=("autograd",),
-       explain=lambda ev, run: wrapper_terms(ev, run, wrapper_gradients))
+       explain=_gradient_terms)
 def wrapper_gradients(ev: Evidence) -> list[str]:
     """Gradient w.r.t. the raw logits shard, including the entropy term exactly when entropy_coef != 0;
     in every TP group (each DP replica, each CP rank: the slice of the whole gradient on its rows); in a
@@ -126,6 +137,7 @@ def wrapper_gradients(ev: Evidence) -> list[str]:
                     continue  # a CP rank whose rows the loss does not reach: None is its zero gradient
                 problems.append(f"no gradient reached the logits{call}")
                 continue
+            assert exp.grad is not None and exp.grad_tol is not None  # read only in contexts with autograd
             problems += ev.compare(grad, exp.grad, exp.grad_tol, f"grad (all shards){call}")
     return problems
 
@@ -137,7 +149,8 @@ def cp_invariance(ev: Evidence) -> list[str]:
     """The same global case at CP 1: every sample's response, re-assembled from the CP ranks' zigzag
     pieces (TP rank 0 of replica 0 at each CP rank), agrees with it within twice the derived bound
     (each side carries its own float32 error)."""
-    c: WrapperCase = ev.case
+    c = ev.case
+    assert isinstance(c, WrapperCase)
     twin, exp = ev.twins["cp-invariance"], ev.expected
     pieces = [r for r in ev.ranks if r.replica == 0 and r.rank == 0]
     problems = []
@@ -145,7 +158,7 @@ def cp_invariance(ev: Evidence) -> list[str]:
         base, bounds = getattr(twin.obs(), key), getattr(exp, f"{key}_tol")
         if base is None or bounds is None or len(base) != len(bounds):
             continue
-        for i, (L, R) in enumerate(zip(c.total_lengths, c.response_lengths)):
+        for i, (L, R) in enumerate(zip(c.total_lengths, c.response_lengths, strict=True)):
             whole = torch.full((R,), float("nan"), dtype=torch.float64)
             for r in pieces:
                 got, pos = getattr(r.obs, key), response_positions(L, R, c.cp, r.cp_rank)

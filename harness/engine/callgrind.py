@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from cases.case import KernelCase, parse_case
 from harness.errors import InstructionCountError
@@ -65,6 +65,7 @@ def count(target_spec: str, cases: list[KernelCase]) -> dict[str, Any]:
         env.update(PYTHONHASHSEED="0", OMP_NUM_THREADS="1")  # same dict layouts, one thread
         child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True, env=env)
+        assert child.stdout is not None  # stdout=PIPE
         try:
             ready = child.stdout.readline()
             if not ready.startswith("ready"):
@@ -120,7 +121,8 @@ def _child(job: dict[str, Any]) -> None:
     from harness.targets import load_target
 
     target = load_target(job["target"])
-    calls = [prepared_call(target, parse_case(spec), rank=0, device=torch.device("cpu"), group=None)
+    # The performance gate's cases, which are kernel cases.
+    calls = [prepared_call(target, cast(KernelCase, parse_case(spec)), rank=0, device=torch.device("cpu"), group=None)
              for spec in job["cases"]]
     for call in calls:
         for _ in range(WARMUP_CALLS):

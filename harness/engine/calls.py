@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, overload
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,12 @@ from reference.cp import PAD, local_rows
 _PAD = 2  # rows of other data around an "offset" slice
 
 
+@overload
+def shard(t: torch.Tensor, rank: int, v_local: int, device: torch.device) -> torch.Tensor: ...
+@overload
+def shard(t: None, rank: int, v_local: int, device: torch.device) -> None: ...
+@overload
+def shard(t: torch.Tensor | None, rank: int, v_local: int, device: torch.device) -> torch.Tensor | None: ...
 def shard(t: torch.Tensor | None, rank: int, v_local: int, device: torch.device) -> torch.Tensor | None:
     """This rank's contiguous slice of the last (vocab) dimension; rank r owns [r*v_local, (r+1)*v_local)."""
     if t is None:
@@ -186,6 +192,7 @@ class KernelShard:
                    full.w_log_prob, full.w_entropy, source, case.layout, full.w_log_prob_2, full.w_entropy_2)
 
     def call(self, target: Target, case: KernelCase, group: Any) -> tuple[Any, Any]:
+        assert target.kernel is not None  # a case runs only at the levels its target has
         return target.kernel(self.logits, self.tokens, group, **target.kwargs(
             "kernel", with_entropy=case.with_entropy, chunk_size=case.chunk_size, log_prob_keep_mask=self.keep_mask,
             with_entropy_grad=case.with_entropy_grad))
@@ -236,6 +243,7 @@ class LinearShard:
         return None if self.source.grad is None else hidden_view_of(self.source.grad, self.hidden.shape[0])
 
     def call(self, target: Target, case: LinearCase, group: Any) -> tuple[Any, Any]:
+        assert target.linear is not None  # a case runs only at the levels its target has
         return target.linear(self.hidden, self.weight, self.tokens, group, **target.kwargs(
             "linear", with_entropy=case.with_entropy, chunk_size=case.chunk_size,
             with_entropy_grad=case.with_entropy_grad))

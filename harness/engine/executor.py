@@ -180,7 +180,7 @@ def cp_weights(case: WrapperCase, per_sample: list[torch.Tensor] | None, cp_rank
     if per_sample is None or case.cp == 1:
         return per_sample
     return [w[response_positions(L, R, case.cp, cp_rank)] for w, L, R in
-            zip(per_sample, case.total_lengths, case.response_lengths)]
+            zip(per_sample, case.total_lengths, case.response_lengths, strict=True)]
 
 
 class _WrapperCall:
@@ -208,6 +208,7 @@ class _WrapperCall:
 
     def _call(self) -> tuple[list[torch.Tensor], Any]:
         c = self.case
+        assert self.target.wrapper is not None  # a case runs only at the levels its target has
         _, res = self.target.wrapper(
             self.logits, args=c.args(), unconcat_tokens=self.tokens,
             total_lengths=list(c.total_lengths), response_lengths=list(c.response_lengths),
@@ -218,13 +219,15 @@ class _WrapperCall:
     def loss(self, log_probs: list, entropy: Any, second: bool = False) -> Any:
         w = self.weights
         w1, w2 = (w["w_log_probs_2"], w["w_entropy_2"]) if second else (w["w_log_probs"], w["w_entropy"])
+        assert w1 is not None and w2 is not None  # a context with a second call has its weights
         for key, values, weights in (("log_probs", log_probs, w1), ("entropy", entropy if isinstance(entropy, list) else [], w2)):
-            for i, (t, wt) in enumerate(zip(values, weights or [])):
+            for i, (t, wt) in enumerate(zip(values, weights or [], strict=False)):
                 if isinstance(t, torch.Tensor) and t.requires_grad and t.numel() != wt.numel():
                     raise HarnessStepError(self._step_refused(key, i, t.numel(), wt.numel()))
-        loss = sum((weighted(t, w, self.device) for t, w in zip(log_probs, w1)), 0.0)
+        # The routine's count of entries may be wrong: wrapper-extraction reports it, the backward still runs.
+        loss = sum((weighted(t, w, self.device) for t, w in zip(log_probs, w1, strict=False)), 0.0)
         if entropy is not None:
-            loss = loss + sum((weighted(t, w, self.device) for t, w in zip(entropy, w2)), 0.0)
+            loss = loss + sum((weighted(t, w, self.device) for t, w in zip(entropy, w2, strict=False)), 0.0)
         return loss
 
     def grad(self) -> torch.Tensor | None:
@@ -306,6 +309,7 @@ def kernel_pass(case: WrapperCase, target: Target, values: torch.Tensor, device:
         # `logits` is a view, or (layout "nonleaf") an op's output: the gradient lands on `source`.
         source, logits = laid_out(values.detach().clone(), case.layout, True)
         meter = Meter((logits, tokens), device, meter_memory and metered(target) and case.cp == 1)
+        assert target.kernel is not None  # wants_kernel_pass: the target has the kernel level
         with trace.recording() as events, watched("kernel forward (the wrapper's rows)"), meter.forward():
             log_prob, entropy = target.kernel(logits, tokens, tp_group(), **target.kwargs(
                 "kernel", with_entropy=case.with_entropy, chunk_size=chunk, log_prob_keep_mask=None,
@@ -328,7 +332,7 @@ def kernel_pass(case: WrapperCase, target: Target, values: torch.Tensor, device:
 def _response_loss(case: WrapperCase, values: torch.Tensor, weights: list[torch.Tensor], device: torch.device) -> Any:
     # Empty responses too: their slices' backward allocates like any other, in the wrapper job as here.
     flat, loss, offset = values.reshape(-1), 0.0, 0
-    for length, resp, w in zip(case.total_lengths, case.response_lengths, weights):
+    for length, resp, w in zip(case.total_lengths, case.response_lengths, weights, strict=True):
         a = offset + length - resp - 1
         offset += length
         loss = loss + (flat[a:a + resp] * w.to(device=device, dtype=flat.dtype)).sum()
@@ -348,9 +352,9 @@ def run_on_rank(case: Case, target: Target, rank: int, device: torch.device, cp_
     group = tp_group()
     with trace.recording() as events, watching(device, case.level) as watch:
         try:
-            if case.level == "kernel":
+            if isinstance(case, KernelCase):
                 run_kernel(case, target, rank, group, device, result.obs, meter_memory)
-            elif case.level == "linear":
+            elif isinstance(case, LinearCase):
                 run_linear(case, target, rank, group, device, result.obs, meter_memory)
             else:
                 run_wrapper(case, target, rank, device, result.obs, cp_rank, meter_memory)

@@ -100,7 +100,7 @@ class RunLimits:
         first = next(iter(self.hung_cases), None)
         for f in findings:
             cls = self.hung_cases.get(f.case)
-            keep = first if self.every_case else self.known_hangs.get(cls, self.first_hang.get(cls))
+            keep = first if self.every_case or cls is None else self.known_hangs.get(cls, self.first_hang.get(cls))
             if cls is not None and f.case != keep:
                 self.folded += 1
                 continue

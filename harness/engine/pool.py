@@ -127,10 +127,12 @@ def _worker_main(rank: int, world: int, store_dir: str, conn: Connection, backen
         from megatron.core import parallel_state
 
         # megatron-core gives its groups their own timeout (30 minutes by default): pass ours on,
-        # or a collective on the TP group could outwait every deadline.
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
-                                                 distributed_timeout_minutes=timeout_s / 60.0,
-                                                 create_gloo_process_groups=False)
+        # or a collective on the TP group could outwait every deadline. (It annotates the minutes as
+        # an int, but takes timedelta(minutes=...) of them: a fraction is kept.)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, context_parallel_size=cp,
+            distributed_timeout_minutes=timeout_s / 60.0,  # pyright: ignore[reportArgumentType]
+            create_gloo_process_groups=False)
         coords = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_context_parallel_rank(),
                   parallel_state.get_data_parallel_rank())
         if coords != coordinates(rank, tp, cp):  # the layout the driver assumes to name ranks
@@ -233,9 +235,11 @@ class WorkerPool:
         self.board = ProgressBoard(ctx, self.world)
         for rank in range(self.world):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, name=f"harness-{label}-rank{rank}", daemon=True,
-                            args=(rank, self.world, self.store_dir, child, self.backend,
-                                  self.collective_timeout_s, os.getpid(), self.tp, self.board, self.cp))
+            # get_context(str) is typed as the BaseContext, which declares no Process; every start method's has one.
+            p = ctx.Process(  # pyright: ignore[reportAttributeAccessIssue]
+                target=_worker_main, name=f"harness-{label}-rank{rank}", daemon=True,
+                args=(rank, self.world, self.store_dir, child, self.backend,
+                      self.collective_timeout_s, os.getpid(), self.tp, self.board, self.cp))
             p.start()
             child.close()
             self.procs.append(p)
@@ -304,7 +308,7 @@ class WorkerPool:
                          timeout=min(left, POLL_S) if board is not None else left)
             for obj in ready:
                 if obj in pending:
-                    r = pending.pop(obj)
+                    r = pending.pop(obj)  # pyright: ignore[reportArgumentType] -- wait() types them by a base class
                     try:
                         replies[r] = wire.loads(obj.recv_bytes())
                     except (EOFError, OSError):
@@ -373,7 +377,7 @@ class WorkerPool:
             self.board.reset()
         self._submitted = time.monotonic()
         self._deadline = self._submitted + deadline_s
-        for conn, args in zip(self.conns, args_per_rank):
+        for conn, args in zip(self.conns, args_per_rank, strict=True):
             try:
                 conn.send((fn_path, args))
             except (BrokenPipeError, OSError):

@@ -8,7 +8,7 @@ import os
 import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from cases.capabilities import fit
 from cases.case import Case, parse_case
@@ -102,7 +102,7 @@ class Runner:
         self.checks = checks if checks is not None else all_checks(bitwise=bitwise)
         # The bitwise property sheet: case.config() -> check -> [cases checked, cases where it held].
         self.properties: dict[str, dict[str, list[int]]] = defaultdict(dict)
-        self.pools: dict[int, WorkerPool] = pools if pools is not None else {}
+        self.pools: dict[Any, WorkerPool] = pools if pools is not None else {}  # keyed by `_pool_key`
         self._owns_pools = pools is None
         self.cases_run = 0
         self.run_seconds = 0.0
@@ -142,8 +142,8 @@ class Runner:
             if cp > 1 and torchrun.active():
                 raise LaunchError(f"a launched world has no context-parallel groups: run CP {cp} cases without "
                                   f"the launcher")
-            shared = torchrun.pool(tp) if cp == 1 else None
-            self.pools[key] = shared if shared is not None else WorkerPool(
+            shared = torchrun.pool(tp) if cp == 1 else None  # a LaunchedPool has WorkerPool's interface
+            self.pools[key] = cast(WorkerPool, shared) if shared is not None else WorkerPool(
                 tp, self.device, self.collective_timeout_s, dp=dp, case_timeout_s=self.case_timeout_s, cp=cp)
         return self.pools[key]
 
@@ -269,7 +269,7 @@ class Runner:
         applied = {name for name, chk in self.checks.items()
                    if (not only or name in only) and chk.applicable(case, self.target)}
         twins = {name: (twin, _reads_memory(self.checks[name])) for name in applied
-                 if self.checks[name].twin is not None and (twin := self.checks[name].twin(case)) is not None}
+                 if (make := self.checks[name].twin) is not None and (twin := make(case)) is not None}
         # The twins that may run in other processes run at the same time as the case, where the cores allow.
         alongside = [run for name, run in twins.items() if not self.checks[name].twin_in_same_process]
         later = self.run_together([(case, any(_reads_memory(self.checks[name]) for name in applied)), *alongside],
@@ -277,7 +277,7 @@ class Runner:
         ev = Evidence(case, self.target, self._cache[case].ranks)  # fresh twins and margins for this evaluation
         # A twin still to run is run only for a check that can be evaluated: one whose stage the case
         # completed (a case that hung, died or raised leaves its twins nothing to be compared with).
-        wanted = [name for name in twins if not self.checks[name].needs or ev.completed(self.checks[name].needs)]
+        wanted = [name for name in twins if not (needs := self.checks[name].needs) or ev.completed(needs)]
         keep = {(self.fit(twins[name][0]), twins[name][1]) for name in wanted}
         later = [run for run in later if run in keep]
         later += [twins[name] for name in wanted if self.checks[name].twin_in_same_process]
@@ -295,7 +295,7 @@ class Runner:
             if failures:
                 raise failures[0]
         self._evaluate(ev, applied, twins, outcome, only, run_twins=True)
-        return ev, [outcome[name] for name in self.checks if outcome.get(name) is not None]
+        return ev, [f for name in self.checks if (f := outcome.get(name)) is not None]
 
     def _evaluate(self, ev: Evidence, applied: set[str], twins: dict[str, tuple[Case, bool]],
                   outcome: dict[str, Finding | None], only: set[str] | None, run_twins: bool) -> None:

@@ -94,7 +94,9 @@ class LaunchedPool:
         if not dist.is_initialized():
             dist.init_process_group("nccl" if cuda else "gloo", init_method="env://",
                                     timeout=timedelta(seconds=collective_timeout_s))
-        self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        assert isinstance(control, dist.ProcessGroup)  # every rank of the world is a member
+        self.control = control
         self.ctx = RankContext(dist.get_rank(), self.world, local)
         self.procs = list(range(self.world))  # the launched ranks; the launcher owns their processes
         self._init_tp()
@@ -102,8 +104,10 @@ class LaunchedPool:
     def _init_tp(self) -> None:
         from megatron.core import parallel_state
 
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp,
-                                                 distributed_timeout_minutes=self.collective_timeout_s / 60)
+        # The minutes are annotated int by megatron-core, which takes timedelta(minutes=...) of them.
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=self.tp,
+            distributed_timeout_minutes=self.collective_timeout_s / 60)  # pyright: ignore[reportArgumentType]
 
     def _rebuild_tp(self) -> None:
         from megatron.core import parallel_state

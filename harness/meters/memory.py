@@ -362,6 +362,12 @@ class Meter:
         self._cuda_base = 0
         self.figures: dict[str, Any] = {}
 
+    @property
+    def _active_ledger(self) -> Any:
+        """The ledger of an active meter (every phase checks `active` first)."""
+        assert self._ledger is not None
+        return self._ledger
+
     @contextlib.contextmanager
     def _attached(self) -> Iterator[None]:
         # The C++ ledger cannot hand a collective's op aliases, so torch.distributed's functions
@@ -369,7 +375,7 @@ class Meter:
         # parts of a metered routine (megatron-core's fusions) run eagerly, as under a dispatch
         # mode, which Dynamo does not compile through: compiled code allocates past the
         # dispatcher, and its first call would meter the compiler's own allocations.
-        ledger = self._ledger
+        ledger = self._active_ledger
         ledger.attach()
         try:
             with trace.alias_collectives(None if isinstance(ledger, ModeLedger) else ledger.alias), \
@@ -384,13 +390,13 @@ class Meter:
         with a backend thread, so this call goes unmeasured, and this process's later meters use
         the dispatch mode, which aliases at the op."""
         global _fallen_back
-        if self._ledger.unaliased():
+        if self._active_ledger.unaliased():
             _fallen_back = True
             self.active = False
             self.figures = {}
 
     def _pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
-        self._ledger.pack(t)
+        self._active_ledger.pack(t)
         # A detached alias shares storage and version counter but not grad_fn: returning `t` itself
         # would make a saved output a reference cycle, and keep it alive after backward.
         return t.detach(), t._version
@@ -421,14 +427,15 @@ class Meter:
         with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack), self._attached():
             yield
         if self.active:
-            figures = self._ledger.forward_end()
+            figures = self._active_ledger.forward_end()
             self._cuda_stop("forward")
             self.figures.update(figures)
 
     def outputs(self, *outs: Any) -> None:
         """Mark the storages of what the call returned (the caller holds them after backward too)."""
         if self.active:
-            self.figures.update(self._ledger.mark_outputs([k for k in map(_key, _tensors(outs)) if k is not None]))
+            keys = [k for k in map(_key, _tensors(outs)) if k is not None]
+            self.figures.update(self._active_ledger.mark_outputs(keys))
 
     @contextlib.contextmanager
     def backward(self) -> Iterator[None]:
@@ -437,11 +444,11 @@ class Meter:
             yield
             return
         self._cuda_start(first=False)
-        self._ledger.backward_start()
+        self._active_ledger.backward_start()
         with self._attached():
             yield
         if self.active:
-            figures = self._ledger.backward_end()
+            figures = self._active_ledger.backward_end()
             self._cuda_stop("backward")
             self.figures.update(figures)
 
@@ -450,7 +457,8 @@ class Meter:
         and the backward returned as the gradient (slime turns its saved softmax into the gradient in
         place, saving a [T, V_local] allocation) is the caller's `.grad` now, not leftover."""
         if self.active:
-            self.figures.update(self._ledger.gradients([k for k in map(_key, _tensors(grads)) if k is not None]))
+            keys = [k for k in map(_key, _tensors(grads)) if k is not None]
+            self.figures.update(self._active_ledger.gradients(keys))
 
 
 def _answer_rule_lookups_for_the_meter() -> None:

@@ -87,8 +87,8 @@ def merge_ranks(per_rank: list[list[Any]]) -> list[Any]:
     if len(per_rank) == 1:
         return list(per_rank[0])
     merged = []
-    for values in zip(*per_rank):
-        merged.append(tuple(map(max, zip(*values))) if isinstance(values[0], tuple) else max(values))
+    for values in zip(*per_rank, strict=True):
+        merged.append(tuple(map(max, zip(*values, strict=True))) if isinstance(values[0], tuple) else max(values))
     return merged
 
 

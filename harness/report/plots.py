@@ -79,8 +79,9 @@ def memory_figure(memory: dict[str, Any]) -> Figure:
     ax = fig.add_subplot()
     meters = memory["meters"]
     _hbars(ax, [r["config"] for r in rows],
-           [(label, [r["values"].get(m) for r in rows], color) for (m, label), color in zip(meters, METER_COLORS)])
-    for (m, label), color in zip(meters, METER_COLORS):
+           [(label, [r["values"].get(m) for r in rows], color)
+            for (m, label), color in zip(meters, METER_COLORS, strict=False)])  # a colour per meter, up to three
+    for (m, label), color in zip(meters, METER_COLORS, strict=False):
         limit = memory["budget"].get(m)
         if limit is not None:
             ax.axvline(limit, color=color, linestyle="--", linewidth=1.5, label=f"budget, {label}: {limit:g}")
@@ -97,7 +98,7 @@ def baseline_figure(baseline: dict[str, Any]) -> Figure:
     fig = Figure(figsize=(2.3 + 2.1 * len(metrics), 1.3 + 0.34 * len(cases)), layout="constrained")
     axes = fig.subplots(1, len(metrics), sharey=True, squeeze=False)[0]
     line = baseline["decision_line"]
-    for ax, metric in zip(axes, metrics):
+    for ax, metric in zip(axes, metrics, strict=True):
         rows = {r["case"]: r for r in baseline["rows"] if r["metric"] == metric}
         for y, case in enumerate(cases):
             r = rows.get(case)

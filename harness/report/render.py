@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from cases.case import Case
+from cases.case import Case, KernelCase
 from harness.checks import Evidence
 from harness.checks.memory import budget_use
 from harness.engine.runner import Runner
@@ -58,7 +58,7 @@ def finish(ns: argparse.Namespace, runner: Runner, result: dict[str, Any]) -> li
 def memory_config(case: Case) -> str:
     """Configurations as memory differs: per-rank bytes in units of T*V_local*4 do not depend on
     the TP size, they do on the input dtype and on what the entropy costs."""
-    dtype = f" {case.dtype}" if case.level == "kernel" else ""
+    dtype = f" {case.dtype}" if isinstance(case, KernelCase) else ""
     return f"{case.level}{dtype}, {case.entropy_mode}"
 
 

@@ -98,7 +98,7 @@ def trend_figure(runs: list[Run]) -> Figure:
                  layout="constrained")
     axes = fig.subplots(len(METRICS), 1, sharex=True)
     xs = range(len(runs))
-    for ax, (metric, (label, scale)) in zip(axes, METRICS.items()):
+    for ax, (metric, (label, scale)) in zip(axes, METRICS.items(), strict=True):
         ax.set_ylabel(label, fontsize=9)
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=8)

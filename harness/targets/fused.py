@@ -119,7 +119,7 @@ class FusedLogProbEntropy:
         # gloo's ring adds an element's ranks in an order that follows its place in the buffer
         # (docs/bitwise.md), so there the last bit can differ from a collective of its own.
         stacked = self.all_reduce(torch.stack(list(stats.values())), op, group, "+".join(stats))
-        return dict(zip(stats, stacked.unbind(0)))
+        return dict(zip(stats, stacked.unbind(0), strict=True))
 
     def shard_start(self, rank: int, v_local: int) -> int:
         """First global vocab id owned by ``rank``."""
@@ -311,6 +311,7 @@ class FusedLogProbEntropy:
             own = self.owned(local, v_local)
             g = self.logprob_grad(q_buf[s:e], local, own, w1[s:e])
             if ctx.entropy_grad and grad_entropy is not None:
+                assert logits is not None  # saved whenever the entropy has a gradient
                 x = self.upcast(logits[s:e])
                 log_p = x - lse[s:e].unsqueeze(-1)
                 p = self.recompute_p(x, lse[s:e]) if ctx.masked else q_buf[s:e]
@@ -362,7 +363,7 @@ class FusedLogProbEntropy:
     def shifted_tokens(self, unconcat_tokens, total_lengths, device) -> torch.Tensor:
         """Per sample, row j predicts token j+1; the last row of a sample gets target 0."""
         parts = []
-        for toks, length in zip(unconcat_tokens, total_lengths):
+        for toks, length in zip(unconcat_tokens, total_lengths, strict=True):
             toks = torch.as_tensor(toks, device=device).reshape(-1).to(torch.long)
             assert toks.numel() == int(length), "token count differs from total_lengths"
             parts.append(torch.cat([toks[1:], toks.new_zeros(min(1, toks.numel()))]))
@@ -394,7 +395,8 @@ class FusedLogProbEntropy:
         start = self.shard_start(rank, v_local)
         mask = None
         offset = 0
-        for length, resp, ids, offs in zip(total_lengths, response_lengths, top_p_token_ids, top_p_token_offsets):
+        for length, resp, ids, offs in zip(total_lengths, response_lengths, top_p_token_ids, top_p_token_offsets,
+                                           strict=True):
             a, _b = self.response_rows(offset, int(length), int(resp))
             offset += int(length)
             ids = torch.as_tensor(ids, device=device).reshape(-1).to(torch.long)
@@ -458,7 +460,7 @@ class FusedLogProbEntropy:
     def cp_targets(self, unconcat_tokens, sample: torch.Tensor, pos: torch.Tensor, total_lengths) -> torch.Tensor:
         """The target of each local row: the sample's next token, 0 on its last row and on padding."""
         out = torch.zeros(sample.numel(), dtype=torch.long, device=sample.device)
-        for i, (toks, n) in enumerate(zip(unconcat_tokens, total_lengths)):
+        for i, (toks, n) in enumerate(zip(unconcat_tokens, total_lengths, strict=True)):
             toks = torch.as_tensor(toks, device=sample.device).reshape(-1).to(torch.long)
             rows = ((sample == i) & (pos + 1 < int(n))).nonzero(as_tuple=True)[0]
             out[rows] = toks[pos[rows] + 1]
@@ -468,7 +470,7 @@ class FusedLogProbEntropy:
                           response_lengths) -> torch.Tensor:
         """Per local row, the response position it predicts (row P-1+k predicts response token k), or -1."""
         k = torch.full_like(pos, -1)
-        for i, (n, r) in enumerate(zip(total_lengths, response_lengths)):
+        for i, (n, r) in enumerate(zip(total_lengths, response_lengths, strict=True)):
             rows = (sample == i).nonzero(as_tuple=True)[0]
             idx = pos[rows] - (int(n) - int(r) - 1)
             ok = (idx >= 0) & (idx < int(r))
@@ -482,7 +484,7 @@ class FusedLogProbEntropy:
         if top_p_token_ids is None or top_p_token_offsets is None:
             return None
         start, mask = self.shard_start(rank, v_local), None
-        for i, (ids, offs) in enumerate(zip(top_p_token_ids, top_p_token_offsets)):
+        for i, (ids, offs) in enumerate(zip(top_p_token_ids, top_p_token_offsets, strict=True)):
             ids = torch.as_tensor(ids, device=device).reshape(-1).to(torch.long)
             offs = torch.as_tensor(offs, device=device).reshape(-1).to(torch.long)
             for row in ((sample == i) & (k >= 0) & (k + 1 < offs.numel())).nonzero(as_tuple=True)[0].tolist():
@@ -525,7 +527,7 @@ class FusedLogProbEntropy:
                 full.append(values.new_zeros(int(r)).index_add(0, k[rows], values[rows]))
         summed = _SumOverGroup.apply(torch.cat(full), group)
         return [part[self.zigzag_positions(int(n), int(r), cp_size, cp_rank)] for part, n, r in
-                zip(summed.split([int(r) for r in response_lengths]), total_lengths, response_lengths)]
+                zip(summed.split([int(r) for r in response_lengths]), total_lengths, response_lengths, strict=True)]
 
     def cp_wrapper(self, x, args, unconcat_tokens, total_lengths, response_lengths, with_entropy,
                    top_p_token_ids, top_p_token_offsets, cp: tuple[int, int, Any]) -> dict:
@@ -585,7 +587,7 @@ class FusedLogProbEntropy:
         if with_entropy:
             res["entropy"] = []
         offset = 0
-        for length, resp in zip(total_lengths, response_lengths):
+        for length, resp in zip(total_lengths, response_lengths, strict=True):
             a, b = self.response_rows(offset, int(length), int(resp))
             offset += int(length)
             res["log_probs"].append(log_prob[a:b])

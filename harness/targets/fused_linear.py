@@ -24,10 +24,15 @@ is how the default target provides all three levels without an import cycle).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:  # the kernel routine this mixin is combined with, whose steps it calls
+    from harness.targets.fused import FusedLogProbEntropy as _KernelSteps
+else:
+    _KernelSteps = object
 
 __all__ = ["FusedLinearSteps"]
 
@@ -47,7 +52,7 @@ class _LinearFunction(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
-class FusedLinearSteps:
+class FusedLinearSteps(_KernelSteps):
     """Chunked fused-linear log-prob and entropy, recomputing the logits in backward; mixed into the
     kernel routine, whose steps it calls (its own names never shadow the kernel's, so the combined
     class's kernel entry points stay the kernel's)."""

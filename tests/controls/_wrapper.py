@@ -35,7 +35,7 @@ def _as_long(v: Any, device: torch.device) -> torch.Tensor:
 def _targets(unconcat_tokens: Sequence[Any], total_lengths: Sequence[int], device) -> torch.Tensor:
     """Row j of a sample predicts its token j + 1; the last row's target is never read, any id does."""
     parts = []
-    for toks, length in zip(unconcat_tokens, total_lengths):
+    for toks, length in zip(unconcat_tokens, total_lengths, strict=True):
         toks = _as_long(toks, device)
         if toks.numel() != int(length):
             raise ValueError(f"sample has {toks.numel()} tokens, total_length says {int(length)}")
@@ -45,7 +45,7 @@ def _targets(unconcat_tokens: Sequence[Any], total_lengths: Sequence[int], devic
 
 def _first_response_rows(total_lengths: Sequence[int], response_lengths: Sequence[int]) -> list[int]:
     firsts, offset = [], 0
-    for length, resp in zip(total_lengths, response_lengths):
+    for length, resp in zip(total_lengths, response_lengths, strict=True):
         if int(resp) > 0 and int(resp) >= int(length):
             raise ValueError("response_length must be smaller than total_length")
         firsts.append(offset + int(length) - int(resp) - 1)
@@ -60,7 +60,7 @@ def _keep_mask(shape: tuple[int, int], start: int, firsts: list[int], response_l
         return None
     v_local = shape[1]
     mask: Optional[torch.Tensor] = None
-    for first, resp, ids, offs in zip(firsts, response_lengths, ids_per_sample, offsets_per_sample):
+    for first, resp, ids, offs in zip(firsts, response_lengths, ids_per_sample, offsets_per_sample, strict=True):
         if ids is None or offs is None:
             continue  # not slime's encoding; read as "no nucleus recorded" rather than crash
         offs = _as_long(offs, device)
@@ -161,7 +161,7 @@ def _cp_call(kernel: Kernel, x: torch.Tensor, args, unconcat_tokens, total_lengt
         else:
             packed, mine = local, torch.arange(n_local, device=x.device)  # local rows are the zigzag rows
         res[key] = []
-        for a, r in zip(firsts, response_lengths):
+        for a, r in zip(firsts, response_lengths, strict=True):
             wanted = (zigzag >= a) & (zigzag < a + int(r))
             res[key].append(packed[mine[wanted]])
     return res
@@ -193,9 +193,9 @@ def make_wrapper(kernel: Kernel) -> Callable[..., tuple[torch.Tensor, dict]]:
                                    log_prob_keep_mask=keep, with_entropy_grad=bool(with_entropy and coef != 0))
         log_prob = log_prob.reshape(-1)
         res: dict[str, list[torch.Tensor]] = {"log_probs": [log_prob[a:a + int(r)] for a, r in
-                                                            zip(firsts, response_lengths)]}
+                                                            zip(firsts, response_lengths, strict=True)]}
         if with_entropy:
-            res["entropy"] = [entropy[a:a + int(r)] for a, r in zip(firsts, response_lengths)]
+            res["entropy"] = [entropy[a:a + int(r)] for a, r in zip(firsts, response_lengths, strict=True)]
         return torch.empty(0, device=logits.device), res
 
     return get_log_probs_and_entropy

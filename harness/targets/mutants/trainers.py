@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from harness.targets.fused import FusedLinearLogProbEntropy as Linear
 from harness.targets.fused import FusedLogProbEntropy as Fused
 from harness.targets.mutants import mutant

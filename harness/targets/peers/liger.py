@@ -19,7 +19,8 @@ HARNESS_PEER = dict(requires=("liger_kernel", "triton"), install="pip install li
 def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
                                     log_prob_keep_mask=None, with_entropy_grad=True):
     """Level 1 kernel over Liger: `(log_prob [T] float32, None)`."""
-    from liger_kernel.transformers import LigerVocabParallelCrossEntropy
+    # liger-kernel is the GPU-only `peers-gpu` extra: absent where the type checker runs.
+    from liger_kernel.transformers import LigerVocabParallelCrossEntropy  # pyright: ignore[reportMissingImports]
 
     if with_entropy or log_prob_keep_mask is not None:
         raise NotImplementedError("Liger's vocab-parallel cross entropy computes no entropy and takes no keep mask")

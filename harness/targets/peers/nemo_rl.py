@@ -68,7 +68,8 @@ def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False
             raise RuntimeError("NeMo-RL's log-prob functions all-reduce over a process group: "
                                "initialise torch.distributed")
         tp_group = dist.group.WORLD
-    from nemo_rl.distributed.model_utils import ChunkedDistributedLogprob, DistributedLogprob
+    # Imported from the user's NeMo-RL tree (docs/peers.md), not from an installed package.
+    from nemo_rl.distributed.model_utils import ChunkedDistributedLogprob, DistributedLogprob  # pyright: ignore[reportMissingImports]
 
     v_local = logits.shape[1]
     start = dist.get_rank(tp_group) * v_local
@@ -133,12 +134,12 @@ def wrapper_call(logits, args, unconcat_tokens, total_lengths, response_lengths,
                 cp_group=mpu.get_context_parallel_group() if cp > 1 else None,
                 chunk_size=int(chunk) if chunk is not None and int(chunk) > 0 else None)
     tokens = [torch.as_tensor(t, device=logits.device).reshape(-1).to(torch.long) for t in unconcat_tokens]
-    for toks, n in zip(tokens, lengths):
+    for toks, n in zip(tokens, lengths, strict=True):
         if toks.numel() != n:
             raise ValueError(f"sample has {toks.numel()} tokens, total_length says {n}")
     rows = sequence_rows(x, tokens, lengths, padded, call)
     pieces = []
-    for row, n, r, p in zip(rows, lengths, response_lengths, padded):
+    for row, n, r, p in zip(rows, lengths, response_lengths, padded, strict=True):
         first, end = (n - int(r) - 1, n - 1) if int(r) > 0 else (0, 0)  # the response's rows
         pieces.append(_zigzag_piece(row, first, end, p, cp, mpu.get_context_parallel_rank()))
     return torch.empty(0, device=logits.device), {"log_probs": pieces}
@@ -149,9 +150,10 @@ def _packed_rows(x: torch.Tensor, tokens: list[torch.Tensor], lengths: list[int]
     """One call of `from_parallel_logits_to_logprobs_packed_sequences` on the whole packed batch:
     targets unrolled, each sequence padded with 0 to its padded length (NeMo-RL rolls and CP-shards
     them itself), `cu_seqlens_padded` the padded boundaries."""
-    from nemo_rl.distributed.model_utils import from_parallel_logits_to_logprobs_packed_sequences
+    # Imported from the user's NeMo-RL tree (docs/peers.md), not from an installed package.
+    from nemo_rl.distributed.model_utils import from_parallel_logits_to_logprobs_packed_sequences  # pyright: ignore[reportMissingImports]
 
-    target = torch.cat([torch.nn.functional.pad(t, (0, p - n)) for t, n, p in zip(tokens, lengths, padded)]
+    target = torch.cat([torch.nn.functional.pad(t, (0, p - n)) for t, n, p in zip(tokens, lengths, padded, strict=True)]
                        or [torch.zeros(0, dtype=torch.long, device=x.device)]).unsqueeze(0)
     cu_seqlens_padded = torch.tensor([0, *torch.tensor(padded, dtype=torch.long).cumsum(0).tolist()],
                                      dtype=torch.int32, device=x.device)

@@ -28,12 +28,14 @@ HARNESS_PEER = dict(
 def _per_sequence_rows(x: torch.Tensor, tokens: list[torch.Tensor], lengths: list[int], padded: list[int],
                        call: dict) -> list[torch.Tensor]:
     from megatron.core import parallel_state as mpu
-    from nemo_rl.distributed.model_utils import from_parallel_logits_to_logprobs
+
+    # Imported from the user's NeMo-RL tree (docs/peers.md), not from an installed package.
+    from nemo_rl.distributed.model_utils import from_parallel_logits_to_logprobs  # pyright: ignore[reportMissingImports]
 
     cp = mpu.get_context_parallel_world_size()
     tp_group = parallel_state_group(None, "NeMo-RL's Megatron policy worker")
     rows, offset = [], 0
-    for toks, p in zip(tokens, padded):
+    for toks, p in zip(tokens, padded, strict=True):
         local = p // cp  # this rank's rows of the sequence: its two chunks under CP
         out = from_parallel_logits_to_logprobs(x[:, offset:offset + local], toks.unsqueeze(0), tp_group=tp_group,
                                                **call)
