@@ -24,14 +24,6 @@ NAMES = ("target", "tp", "cp", "device", "collective_timeout", "case_timeout", "
 FIXTURES = ("harness_runner", "harness_pools")
 LAUNCH_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK")  # as `torchrun.active` reads them (no torch import here)
 
-# The session's state, kept in pytest's stash on its Config.
-PROFILE = pytest.StashKey[Profile]()
-TP = pytest.StashKey[list[int]]()
-CP = pytest.StashKey[list[int]]()  # the CP sizes > 1
-LAUNCHED = pytest.StashKey[Any]()  # the torchrun world rank 0 drives
-EXITSTATUS = pytest.StashKey[int]()
-KNOWN_RUNNER = pytest.StashKey[Any]()  # the runner whose known findings the summary lists
-
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     options.add_pytest(parser, NAMES)
@@ -71,7 +63,7 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
         return pytest.ExitCode.USAGE_ERROR  # rank 0 says why
     if torchrun.rank() != 0:
         return world.serve()
-    config.stash[LAUNCHED] = world
+    config.harness_launched = world
     return None
 
 
@@ -127,7 +119,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    runner = config.stash.get(KNOWN_RUNNER, None)
+    runner = getattr(config, "harness_known_runner", None)
     if runner is None:
         return
     terminalreporter.section("harness known findings")
@@ -137,9 +129,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    world = config.stash.get(LAUNCHED, None)
+    world = getattr(config, "harness_launched", None)
     if world is not None:  # release the serving ranks with this session's exit code
-        world.stop(config.stash.get(EXITSTATUS, pytest.ExitCode.INTERNAL_ERROR))
+        world.stop(getattr(config, "harness_exitstatus", pytest.ExitCode.INTERNAL_ERROR))
 
 
 @pytest.fixture(scope="session")
@@ -169,7 +161,7 @@ def harness_runner(request: pytest.FixtureRequest, harness_pools):
     try:
         runner = Runner.for_run(run_config(request.config, harness_pools))
         if runner.known.path:
-            request.config.stash[KNOWN_RUNNER] = runner
+            request.config.harness_known_runner = runner
     except HarnessError as e:
         pytest.exit(f"harness: error: {e}", returncode=2)
     yield runner

@@ -77,7 +77,7 @@ def _precision() -> tuple[tuple[str, Any], ...]:
         legacy: Any = torch.get_float32_matmul_precision()
     except RuntimeError:  # raises once the legacy and the per-backend settings were both used
         legacy = "unreadable (legacy and per-backend settings mixed)"
-    per_backend = (tuple(zip(_PER_BACKEND_NAMES, [_get_precision(b, o) for b, o in _PER_BACKEND]))
+    per_backend = (tuple(zip(_PER_BACKEND_NAMES, [_get_precision(b, o) for b, o in _PER_BACKEND], strict=True))
                    if _get_precision is not None else (("allow_tf32", torch.backends.cuda.matmul.allow_tf32),))
     return (("float32_matmul_precision", legacy), *per_backend, *((f"allow_{n}", get()) for n, get, _ in _REDUCTIONS))
 
@@ -88,7 +88,7 @@ def _set_precision(value: tuple[tuple[str, Any], ...]) -> None:
     if not legacy.startswith("unreadable"):
         torch.set_float32_matmul_precision(legacy)  # first: it sets the per-backend ones too
     if _get_precision is not None:
-        for key, name in zip(_PER_BACKEND, _PER_BACKEND_NAMES):
+        for key, name in zip(_PER_BACKEND, _PER_BACKEND_NAMES, strict=True):
             torch._C._set_fp32_precision_setter(*key, settings[name])
     else:
         torch.backends.cuda.matmul.allow_tf32 = settings["allow_tf32"]
@@ -179,7 +179,7 @@ class Watch:
                 self._record_and_restore(what, before, after)
 
     def _record_and_restore(self, what: str, before: list[Any], after: list[Any]) -> None:
-        for s, b, a in zip(self.settings, before, after):
+        for s, b, a in zip(self.settings, before, after, strict=True):
             if b == a:
                 continue
             if s.set is None:
@@ -192,7 +192,7 @@ class Watch:
                     done = f"could not be restored ({type(e).__name__}: {e})"
             change = "changed" if isinstance(b, bytes) else f"{s.fmt(b)} -> {s.fmt(a)}"
             if s.name == "matmul precision":
-                change = ", ".join(f"{n} {v!r} -> {w!r}" for (n, v), (_, w) in zip(b, a) if v != w)
+                change = ", ".join(f"{n} {v!r} -> {w!r}" for (n, v), (_, w) in zip(b, a, strict=True) if v != w)
             why = f"; {s.why}" if s.why else ""
             msg = f"{s.name} {change} after the {what} and not restored by the routine{why} ({done})"
             if msg not in self.findings:
