@@ -61,11 +61,9 @@ WITNESSES: dict[str, list[tuple[str, str]]] = {
     "nemo_rl": [("kernel:tp=2,T=5,v_local=4,with_entropy=0,seed=1,layout=transposed", "crash"),
                 ("wrapper:tp=1,v_local=3,total_lengths=3/6,response_lengths=2/2,temperature=1.3,with_entropy=0,"
                  "layout=transposed", "crash"),
-                ("kernel:tp=1,T=0,v_local=4,with_entropy=0,chunk_size=2", "empty-input"),
-                ("wrapper:tp=1,v_local=5,total_lengths=6/4,response_lengths=3/2,with_entropy=0,cp=2", "crash")],
+                ("kernel:tp=1,T=0,v_local=4,with_entropy=0,chunk_size=2", "empty-input")],
     "nemo_rl_unpacked": [("wrapper:tp=2,v_local=3,total_lengths=4/6,response_lengths=2/3,with_entropy=0,"
-                          "layout=transposed", "crash"),
-                         ("wrapper:tp=1,v_local=5,total_lengths=6/4,response_lengths=3/2,with_entropy=0,cp=2", "crash")],
+                          "layout=transposed", "crash")],
     "trl": [("kernel:tp=2,T=6,v_local=5,regime=neginf,seed=1", "finite"),
             ("kernel:tp=1,T=4,v_local=8,dtype=bf16,seed=2", "shapes-dtypes"),
             ("kernel:tp=1,T=0,v_local=4", "empty-input")],
@@ -217,6 +215,47 @@ def test_nemo_rl_declares_what_it_does_not_claim_and_how_to_enable_it() -> None:
     with pytest.raises(NotImplementedError, match="load-balanced"):
         get_log_probs_and_entropy(None, args=SimpleNamespace(allgather_cp=True), unconcat_tokens=[],
                                   total_lengths=[], response_lengths=[])
+
+
+def test_nemo_rl_cp_gradient_is_drawn_only_where_it_can_run() -> None:
+    """NeMo-RL's CP backward moves an index to CUDA: on CPU a CP case with a gradient becomes the same
+    case without autograd (its forward, and the training path's forward, are still checked); on
+    CUDA it stays as drawn. A CP-1 case keeps its gradient everywhere."""
+    from cases.capabilities import fit
+
+    train = WrapperCase(tp=1, v_local=5, total_lengths=(6, 4), response_lengths=(3, 2), with_entropy=False, cp=2,
+                        context="accumulate")
+    target = load_target(NEMO_RL)
+    assert fit(train, target.on("cpu").supports) == train.replace(context="no_grad")
+    assert fit(train, target.on("cuda").supports) == train
+    assert fit(train.replace(cp=1), target.on("cpu").supports) == train.replace(cp=1)
+    assert not target.supports("cp_gradient"), "device-agnostic: only where every device has it"
+
+
+def test_a_compiled_routine_starts_each_case_with_a_fresh_compile_state(monkeypatch) -> None:
+    """A worker runs a whole run's sizes through one process; a routine declared compiled (Cut
+    Cross-Entropy, fullgraph=True) must not fail a case because earlier cases used up Dynamo's
+    recompile limit. Without the fresh state, the same sizes in one state hit the limit and raise."""
+    import torch
+    import torch._dynamo
+
+    from harness.engine.executor import fresh_compile_state
+
+    fn = torch.compile(lambda x: (x * 2).sum(), fullgraph=True, dynamic=False, backend="eager")
+    compiled, eager = load_target("harness.targets.peers.cce"), load_target(MEGATRON)
+    assert not compiled.supports("eager") and eager.supports("eager")
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    torch._dynamo.reset()
+    try:
+        for n in range(1, 6):  # one new size per case
+            fresh_compile_state(compiled)
+            fn(torch.ones(n))
+        with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+            for n in range(1, 6):  # a routine not declared compiled keeps its state: the limit is reached
+                fresh_compile_state(eager)
+                fn(torch.ones(n))
+    finally:
+        torch._dynamo.reset()
 
 
 @pytest.mark.distributed

@@ -6,8 +6,10 @@ dependencies, compiling) or stuck in the routine's own code (a sleep, a wait on 
 Its stack tells the two apart by evidence: every worker registers `faulthandler` on a signal, the
 driver asks for a dump every second or so, and a rank whose stack has not changed for a few
 samples, with no import or compilation frame in it and no CPU used meanwhile, is stuck where the
-stack says. A start-up frame keeps the rank under the start-up deadline instead, and a rank that
-works with a stack that does not change (one long C call) under the case deadline.
+stack says. A rank that works with a stack that does not change (one long C call) is left to the
+case deadline. A compilation or an import still under way is never a hang: while a rank's latest
+stack shows one, the job's deadline moves on, STARTUP_EXTEND_S at a time, up to the case timeout
+(`WorkerPool.compile_bound_s`); only a rank still compiling at that bound is reported, as such.
 
 faulthandler writes from its C signal handler, without the GIL, so a rank spinning in Python or
 sleeping in C still answers. The signal is registered before the worker says "ready", and the
@@ -36,6 +38,8 @@ PROBE_EVERY_S = 1.0
 STILL_SAMPLES = 4
 DUMP_WAIT_S = 0.5
 SHOWN_FRAMES = 4
+# A job whose deadline passes while a rank is importing or compiling gets this much more at a time.
+STARTUP_EXTEND_S = 5.0
 # A rank that used less than this share of a core across its dumps is waiting, not working (its
 # gloo loop threads alone use about 2%). Only a waiting rank is stuck by its stack: a working one
 # may be in one long C call, or a loop on one line, whose stack does not change (a timing loop
