@@ -132,6 +132,18 @@ def test_a_slow_import_is_not_a_hang(tmp_path):
         pool.close()
 
 
+def test_a_rank_still_importing_after_another_raised_gets_to_finish(tmp_path):
+    """The short grace after a rank raises is for ranks left waiting in a collective; a rank still
+    importing or compiling is in none, and finishes (its own verdict, not a hang)."""
+    (tmp_path / "harness_slow_module.py").write_text("import time\ntime.sleep(6)\n")
+    pool = WorkerPool(2, collective_timeout_s=60)
+    try:
+        raised, imported = pool.run("tests.pool_jobs:raise_while_another_imports", str(tmp_path), deadline_s=60)
+        assert raised.error_kind == "exception" and imported == 1, (raised, imported)
+    finally:
+        pool.close()
+
+
 def test_an_import_still_running_at_the_case_timeout_says_so(tmp_path):
     """The deadline moves on only up to the case timeout; a rank still importing there is reported as
     such, not as a rank stuck in the routine's code."""

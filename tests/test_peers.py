@@ -37,9 +37,14 @@ CLEAN = [KernelCase(tp=tp, T=7, v_local=5, regime=regime, chunk_size=chunk, with
 # Cross-Entropy) compiles for few shapes.
 CLEAN += [LinearCase(tp=tp, T=T, H=16, v_local=8, regime=regime, chunk_size=chunk, with_entropy=ent, seed=41 * tp + T)
           for tp in (1, 2) for T, regime, chunk, ent in [(7, "normal", -1, True), (9, "peaked", 4, False)]]
-# And at the wrapper level (the NeMo-RL peers), packed batches at TP 1 and 2, chunked and not.
+# And at the wrapper level (the NeMo-RL peers), packed batches at TP 1 and 2, chunked and not; the
+# last at a V_local so small that the wrapper's O(T) int64 bookkeeping (targets padded and rolled)
+# is as large as the chunking's saving, which memory-chunk-passthrough must not take for an
+# ignored chunk size.
 CLEAN += [WrapperCase(tp=tp, v_local=6, total_lengths=(5, 8), response_lengths=(2, 5), chunk_size=chunk, seed=tp)
           for tp, chunk in ((1, -1), (2, 4))]
+CLEAN += [WrapperCase(tp=2, v_local=3, total_lengths=(1, 3, 8), response_lengths=(0, 0, 0), chunk_size=2,
+                      regime="peaked", seed=3)]
 # One case per known finding, with the check that must report it: the finding is real and shows.
 WITNESSES: dict[str, list[tuple[str, str]]] = {
     "megatron": [("kernel:tp=2,T=5,v_local=4,with_entropy=0,seed=1594", "input-integrity"),
@@ -299,13 +304,15 @@ def test_matrix_cells_say_pass_known_new_and_why_not() -> None:
     assert cells["memory"] == {"state": "pass", "applied": 3}  # the family: any of its checks that ran
     assert cells["grad-flags"] == {"state": "n/a", "note": "applies to no case it can take (no entropy)"}
     page = {"profile": "smoke", "tp": [1], "seed": 0, "date": "d", "harness": "h", "columns": matrix.columns(),
-            "peers": [{"name": "p", "status": "ran", "cases": 9, "elapsed_s": 1.0, "cells": cells, "upstream": ["u"],
-                       "summary": "s"},
+            "elapsed_s": 2.0, "cpu_s": 3.0,
+            "peers": [{"name": "p", "status": "ran", "cases": 9, "elapsed_s": 1.0, "cpu_s": 1.5, "profile": "smoke",
+                       "cells": cells, "upstream": ["u"], "summary": "s"},
                       {"name": "q", "status": "skipped", "reason": "runs only on CUDA", "upstream": ["v"],
                        "summary": "t"}]}
     for text in (matrix.render_markdown(page), matrix.render_html(page)):
         assert "NEW FINDING (1/9)" in text and "known (2/5)" in text and "bf16 cast" in text
         assert "runs only on CUDA" in text and "python -m harness repro X" in text
+        assert "1.0 s (smoke)" in text and "2.0 s wall, 3.0 s CPU" in text  # each peer's time, and the whole's
 
 
 @pytest.mark.distributed
@@ -322,6 +329,7 @@ def test_peers_command_writes_the_matrix(tmp_path) -> None:
     assert rows["liger"]["status"] == "skipped" and rows["liger"]["reason"]
     megatron = rows["megatron"]
     assert megatron["status"] == "ran" and megatron["cases"] > 0
+    assert megatron["profile"] == "smoke" and megatron["elapsed_s"] > 0 and megatron["cpu_s"] > 0
     assert megatron["cells"]["input-integrity"]["state"] == "known"  # #1594, explained by its known file
     assert not [c for c in megatron["cells"].values() if c["state"] == "finding"]
     assert (out / "peers.html").read_text().startswith("<!DOCTYPE html>") and (out / "megatron.json").exists()

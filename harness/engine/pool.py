@@ -311,8 +311,7 @@ class WorkerPool:
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
-                if code is not None and raised_at is None and deadline < bound \
-                        and any(code.starting_up(r) for r in pending.values()):
+                if code is not None and deadline < bound and any(code.starting_up(r) for r in pending.values()):
                     deadline = min(bound, time.monotonic() + stacks.STARTUP_EXTEND_S)
                     continue
                 break
@@ -328,6 +327,8 @@ class WorkerPool:
                     if raised_at is None and isinstance(replies.get(r), RankResult) and replies[r].error:
                         raised_at = time.monotonic()
                         deadline = min(deadline, raised_at + RAISED_GRACE_S)
+                        if code is not None:  # a rank still compiling must show it before the grace ends
+                            code.probe_after_s = 0.0
                 elif sentinels.get(obj) is not None and sentinels[obj] not in replies:
                     r = sentinels[obj]
                     conn = self.conns[r]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -87,13 +88,23 @@ def dump(path: str, pid: int) -> str:
     return text
 
 
+def worker_thread(text: str) -> str:
+    """The dump of the thread that runs the jobs (the one in the pool's worker loop), or the whole
+    dump when no thread is: other threads (tqdm's monitor, a compile pool's reader) say nothing
+    about what the job is doing."""
+    threads = re.split(r"\n(?=(?:Current thread|Thread) 0x)", text)
+    return next((t for t in threads if "in _worker_main" in t), text)
+
+
 def frames(text: str) -> list[str]:
-    """The frames of a dump, innermost first, with the thread headers dropped."""
-    return [line.strip() for line in text.splitlines() if line.strip().startswith("File ")]
+    """The frames of a dump's job thread, innermost first, with the thread headers dropped."""
+    return [line.strip() for line in worker_thread(text).splitlines() if line.strip().startswith("File ")]
 
 
 def starting_up(text: str) -> bool:
-    return any(marker in text for marker in STARTUP_FRAMES)
+    """The job thread is importing or compiling."""
+    job = worker_thread(text)
+    return any(marker in job for marker in STARTUP_FRAMES)
 
 
 @dataclass
