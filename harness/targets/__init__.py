@@ -54,7 +54,7 @@ class Target:
     spec: str
     kernel: Callable | None
     wrapper: Callable | None
-    capabilities: dict[str, bool] = field(default_factory=dict)
+    capabilities: dict[str, Any] = field(default_factory=dict)  # bool, or {device: bool} (`on`)
     memory_budget: dict[str, float] = field(default_factory=dict)
     linear: Callable | None = None  # the fused-linear level (docs/fused-linear.md)
     inferred: dict[str, bool] = field(default_factory=dict)  # capabilities read off the signatures
