@@ -212,7 +212,9 @@ def test_nemo_rl_declares_what_it_does_not_claim_and_how_to_enable_it() -> None:
     assert target.levels == ("kernel", "wrapper")
     assert not any(target.supports(c) for c in ("entropy", "keep_mask", "allgather_cp"))
     allgather = WrapperCase(tp=1, v_local=4, total_lengths=(5,), response_lengths=(2,), cp=2, cp_layout="allgather")
-    assert fit(allgather, target.supports) == allgather.replace(cp_layout="zigzag", with_entropy=False)
+    zigzag = allgather.replace(cp_layout="zigzag", with_entropy=False)
+    assert fit(allgather, target.on("cuda").supports) == zigzag
+    assert fit(allgather, target.on("cpu").supports) == zigzag.replace(context="no_grad")
     absent = replace(PEERS["nemo_rl"], requires=("nemo_rl_absent_for_this_test.distributed",))
     assert "PYTHONPATH" in _why_not(absent, "cpu")
     with pytest.raises(NotImplementedError, match="computes? no entropy"):
