@@ -94,7 +94,11 @@ class Runner:
             raise TargetError(unavailable)
         self.target = self.target.on(device)  # what it can do on this device decides what is drawn
         self.device = device
-        self.collective_timeout_s = collective_timeout_s
+        # A compiled routine's rank may compile for longer than a collective's timeout while its
+        # peers wait in that collective: the gloo/NCCL timeout is the backstop, stuck ranks are
+        # found by evidence, so a compiled routine's backstop is the compile bound.
+        self.collective_timeout_s = collective_timeout_s if self.target.supports("eager") \
+            else max(collective_timeout_s, COMPILE_BOUND_S)
         self.case_timeout_s = case_timeout_s
         self.checks = checks if checks is not None else all_checks(bitwise=bitwise)
         # The bitwise property sheet: case.config() -> check -> [cases checked, cases where it held].
