@@ -21,7 +21,11 @@ from cases.case import Case, KernelCase, LinearCase
 # context_parallel: the wrapper takes CP > 1 (docs/context-parallel.md); a routine without it runs
 # its wrapper cases at CP 1. allgather_cp: it takes the all-gather CP layout (`args.allgather_cp`);
 # a routine with only the load-balanced (zigzag) one, NeMo-RL's, is given the case in that layout.
-CAPABILITIES = ("entropy", "keep_mask", "metric_only_entropy", "top_p", "context_parallel", "allgather_cp")
+# cp_gradient: its wrapper's backward runs at CP > 1; without it (NeMo-RL's on CPU: its CP backward
+# moves an index to CUDA), a CP case runs without autograd, which checks the CP forward and, through
+# the training-path forward every such case also runs, that the two paths agree.
+CAPABILITIES = ("entropy", "keep_mask", "metric_only_entropy", "top_p", "context_parallel", "allgather_cp",
+                "cp_gradient")
 
 
 def needs(case: Case) -> set[str]:
@@ -39,6 +43,8 @@ def needs(case: Case) -> set[str]:
         out.add("context_parallel")
     if getattr(case, "allgather_cp", False):
         out.add("allgather_cp")
+    if getattr(case, "cp", 1) > 1 and case.autograd:
+        out.add("cp_gradient")
     return out
 
 
@@ -54,6 +60,8 @@ def fit(case: Case, supports: Callable[[str], bool]) -> Case:
         case = case.replace(cp=1, cp_layout="zigzag")
     if "allgather_cp" in needs(case) and not supports("allgather_cp"):
         case = case.replace(cp_layout="zigzag")
+    if "cp_gradient" in needs(case) and not supports("cp_gradient"):
+        case = case.replace(context="no_grad")
     wants = needs(case)
     if isinstance(case, KernelCase) and "keep_mask" in wants and not supports("keep_mask"):
         case = case.replace(mask="none")

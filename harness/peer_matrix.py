@@ -5,7 +5,9 @@ Each peer runs as its own `python -m harness check ... --json` process: the peer
 unrelated libraries (verl pulls in ray and transformers), one peer's crash or hang stays its own,
 and each row is exactly what `harness check --target harness.targets.peers.NAME` reports, with
 the same repro lines. A peer that is not installed, or needs CUDA on a CPU run, is a `skipped`
-row saying why.
+row saying why. Each peer runs at its own profile (`HARNESS_PEER["profile"]`, `ci` unless it
+says otherwise) unless `--profile` sets one for all; its wall and CPU time are printed as it
+finishes, and are part of its row.
 
 Exit codes: 0 when the matrix was written (findings on peers are its content, not a failure of
 this command), 2 when a peer's run failed to produce a result (usage, import or infrastructure
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import resource
 import subprocess
 import sys
 import tempfile
@@ -30,7 +33,7 @@ from harness.targets.peers import Peer, peers
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("peers", help="check every installed peer adapter and write the conformance matrix")
-    options.add_argparse(p, ("device", "tp", "profile", "seed"))
+    options.add_argparse(p, ("device", "tp", "profile", "seed"), profile=None)
     p.add_argument("--out", type=Path, default=Path("peers-matrix"), metavar="DIR",
                    help="where to write peers.md, peers.html, peers.json and each peer's check JSON "
                         "(default: ./peers-matrix)")
@@ -51,28 +54,43 @@ def _why_not(peer: Peer, device: str) -> str | None:
     return None
 
 
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of this process's waited-for children (and theirs) so far."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
 def _run_peer(peer: Peer, ns: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     out = workdir / f"{peer.name}.json"
-    cmd = [sys.executable, "-m", "harness", "check", "--target", peer.spec, "--profile", ns.profile,
+    profile = ns.profile or peer.profile
+    cmd = [sys.executable, "-m", "harness", "check", "--target", peer.spec, "--profile", profile,
            "--tp", ",".join(map(str, ns.tp)), "--device", ns.device, "--json", str(out), "-q", "--no-shrink"]
     if ns.seed is not None:
         cmd += ["--seed", str(ns.seed)]
     if peer.known:
         cmd += ["--known", str(peer.known)]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _children_cpu_s()
     try:
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=ns.peer_timeout)
     except subprocess.TimeoutExpired:
         return {"status": "error", "reason": f"did not finish within --peer-timeout {ns.peer_timeout} s"}
-    elapsed = round(time.perf_counter() - start, 1)
+    times = {"profile": profile, "elapsed_s": round(time.perf_counter() - start, 1),
+             "cpu_s": round(_children_cpu_s() - cpu, 1)}
     if proc.returncode not in (0, 1) or not out.exists():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        return {"status": "error", "reason": f"`harness check` exited {proc.returncode}: {tail[0][:300]}",
-                "elapsed_s": elapsed}
+        return {"status": "error", "reason": f"`harness check` exited {proc.returncode}: {tail[0][:300]}", **times}
     result = json.loads(out.read_text())
-    return {"status": "ran", "cases": result["cases_run"], "elapsed_s": elapsed, "cells": matrix.peer_cells(result),
+    return {"status": "ran", "cases": result["cases_run"], **times, "cells": matrix.peer_cells(result),
             "findings": len(result["findings"]), "known_findings": len(result.get("known_findings", [])),
             "command": " ".join(cmd[1:])}
+
+
+def _said(row: dict[str, Any]) -> str:
+    """A finished peer's line: its result and its time."""
+    spent = f"{row['elapsed_s']} s wall, {row['cpu_s']} s CPU (profile {row['profile']})"
+    if row["status"] == "ran":
+        return f"{row['cases']} cases, {row['findings']} new and {row['known_findings']} known findings; {spent}"
+    return f"{row['status']}: {row['reason']}" + (f"; {spent}" if "elapsed_s" in row else "")
 
 
 def cmd_peers(ns: argparse.Namespace, cfg: options.RunConfig) -> int:
@@ -88,6 +106,7 @@ def cmd_peers(ns: argparse.Namespace, cfg: options.RunConfig) -> int:
         return 2
     ns.out.mkdir(parents=True, exist_ok=True)
     rows, failed = [], False
+    start, cpu = time.perf_counter(), _children_cpu_s()
     with tempfile.TemporaryDirectory() as tmp:
         for peer in found:
             if ns.only and peer.name not in ns.only:
@@ -95,19 +114,26 @@ def cmd_peers(ns: argparse.Namespace, cfg: options.RunConfig) -> int:
             row = {"name": peer.name, "spec": peer.spec, "upstream": list(peer.upstream), "summary": peer.summary}
             reason = _why_not(peer, ns.device)
             print(f"[peers] {peer.name}: {reason or 'checking'}", file=sys.stderr, flush=True)
-            row.update({"status": "skipped", "reason": reason} if reason else _run_peer(peer, ns, Path(tmp)))
+            if reason is None:
+                row.update(_run_peer(peer, ns, Path(tmp)))
+                print(f"[peers] {peer.name}: {_said(row)}", file=sys.stderr, flush=True)
+            else:
+                row.update({"status": "skipped", "reason": reason})
             failed |= row["status"] == "error"
             if row["status"] == "ran":
                 (ns.out / f"{peer.name}.json").write_text((Path(tmp) / f"{peer.name}.json").read_text())
             rows.append(row)
-    result = {"profile": ns.profile, "tp": list(ns.tp), "seed": ns.seed, "device": ns.device,
+    result = {"profile": ns.profile or "each peer's own", "tp": list(ns.tp), "seed": ns.seed, "device": ns.device,
               "date": datetime.date.today().isoformat(), "harness": _version(), "columns": matrix.columns(),
+              "elapsed_s": round(time.perf_counter() - start, 1), "cpu_s": round(_children_cpu_s() - cpu, 1),
               "peers": rows}
     (ns.out / "peers.json").write_text(json.dumps(result, indent=1))
     text = matrix.render_markdown(result)
     (ns.out / "peers.md").write_text(text)
     (ns.out / "peers.html").write_text(matrix.render_html(result))
     print(text)
+    print(f"[peers] the matrix: {result['elapsed_s']} s wall, {result['cpu_s']} s CPU (user + system, every "
+          f"peer's processes)", file=sys.stderr)
     print(f"written: {ns.out / 'peers.md'}, {ns.out / 'peers.html'}, {ns.out / 'peers.json'}", file=sys.stderr)
     return 2 if failed else 0
 

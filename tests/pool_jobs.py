@@ -119,6 +119,13 @@ def slow_import(ctx, folder: str) -> int:
     return ctx.rank
 
 
+def raise_while_another_imports(ctx, folder: str) -> int:
+    """Rank 0 raises at once; rank 1 is still importing (as a rank still compiling the same call is)."""
+    if ctx.rank == 0:
+        raise ValueError("raised before any collective")
+    return slow_import(ctx, folder)
+
+
 def traced_gathers(ctx) -> list:
     """The trace of torch 2.13's `*_single` collectives and of the deprecated names that call them."""
     import warnings

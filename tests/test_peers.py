@@ -37,9 +37,14 @@ CLEAN = [KernelCase(tp=tp, T=7, v_local=5, regime=regime, chunk_size=chunk, with
 # Cross-Entropy) compiles for few shapes.
 CLEAN += [LinearCase(tp=tp, T=T, H=16, v_local=8, regime=regime, chunk_size=chunk, with_entropy=ent, seed=41 * tp + T)
           for tp in (1, 2) for T, regime, chunk, ent in [(7, "normal", -1, True), (9, "peaked", 4, False)]]
-# And at the wrapper level (the NeMo-RL peers), packed batches at TP 1 and 2, chunked and not.
+# And at the wrapper level (the NeMo-RL peers), packed batches at TP 1 and 2, chunked and not; the
+# last at a V_local so small that the wrapper's O(T) int64 bookkeeping (targets padded and rolled)
+# is as large as the chunking's saving, which memory-chunk-passthrough must not take for an
+# ignored chunk size.
 CLEAN += [WrapperCase(tp=tp, v_local=6, total_lengths=(5, 8), response_lengths=(2, 5), chunk_size=chunk, seed=tp)
           for tp, chunk in ((1, -1), (2, 4))]
+CLEAN += [WrapperCase(tp=2, v_local=3, total_lengths=(1, 3, 8), response_lengths=(0, 0, 0), chunk_size=2,
+                      regime="peaked", seed=3)]
 # One case per known finding, with the check that must report it: the finding is real and shows.
 WITNESSES: dict[str, list[tuple[str, str]]] = {
     "megatron": [("kernel:tp=2,T=5,v_local=4,with_entropy=0,seed=1594", "input-integrity"),
@@ -61,11 +66,9 @@ WITNESSES: dict[str, list[tuple[str, str]]] = {
     "nemo_rl": [("kernel:tp=2,T=5,v_local=4,with_entropy=0,seed=1,layout=transposed", "crash"),
                 ("wrapper:tp=1,v_local=3,total_lengths=3/6,response_lengths=2/2,temperature=1.3,with_entropy=0,"
                  "layout=transposed", "crash"),
-                ("kernel:tp=1,T=0,v_local=4,with_entropy=0,chunk_size=2", "empty-input"),
-                ("wrapper:tp=1,v_local=5,total_lengths=6/4,response_lengths=3/2,with_entropy=0,cp=2", "crash")],
+                ("kernel:tp=1,T=0,v_local=4,with_entropy=0,chunk_size=2", "empty-input")],
     "nemo_rl_unpacked": [("wrapper:tp=2,v_local=3,total_lengths=4/6,response_lengths=2/3,with_entropy=0,"
-                          "layout=transposed", "crash"),
-                         ("wrapper:tp=1,v_local=5,total_lengths=6/4,response_lengths=3/2,with_entropy=0,cp=2", "crash")],
+                          "layout=transposed", "crash")],
     "trl": [("kernel:tp=2,T=6,v_local=5,regime=neginf,seed=1", "finite"),
             ("kernel:tp=1,T=4,v_local=8,dtype=bf16,seed=2", "shapes-dtypes"),
             ("kernel:tp=1,T=0,v_local=4", "empty-input")],
@@ -209,7 +212,9 @@ def test_nemo_rl_declares_what_it_does_not_claim_and_how_to_enable_it() -> None:
     assert target.levels == ("kernel", "wrapper")
     assert not any(target.supports(c) for c in ("entropy", "keep_mask", "allgather_cp"))
     allgather = WrapperCase(tp=1, v_local=4, total_lengths=(5,), response_lengths=(2,), cp=2, cp_layout="allgather")
-    assert fit(allgather, target.supports) == allgather.replace(cp_layout="zigzag", with_entropy=False)
+    zigzag = allgather.replace(cp_layout="zigzag", with_entropy=False)
+    assert fit(allgather, target.on("cuda").supports) == zigzag
+    assert fit(allgather, target.on("cpu").supports) == zigzag.replace(context="no_grad")
     absent = replace(PEERS["nemo_rl"], requires=("nemo_rl_absent_for_this_test.distributed",))
     assert "PYTHONPATH" in _why_not(absent, "cpu")
     with pytest.raises(NotImplementedError, match="computes? no entropy"):
@@ -217,6 +222,47 @@ def test_nemo_rl_declares_what_it_does_not_claim_and_how_to_enable_it() -> None:
     with pytest.raises(NotImplementedError, match="load-balanced"):
         get_log_probs_and_entropy(None, args=SimpleNamespace(allgather_cp=True), unconcat_tokens=[],
                                   total_lengths=[], response_lengths=[])
+
+
+def test_nemo_rl_cp_gradient_is_drawn_only_where_it_can_run() -> None:
+    """NeMo-RL's CP backward moves an index to CUDA: on CPU a CP case with a gradient becomes the same
+    case without autograd (its forward, and the training path's forward, are still checked); on
+    CUDA it stays as drawn. A CP-1 case keeps its gradient everywhere."""
+    from cases.capabilities import fit
+
+    train = WrapperCase(tp=1, v_local=5, total_lengths=(6, 4), response_lengths=(3, 2), with_entropy=False, cp=2,
+                        context="accumulate")
+    target = load_target(NEMO_RL)
+    assert fit(train, target.on("cpu").supports) == train.replace(context="no_grad")
+    assert fit(train, target.on("cuda").supports) == train
+    assert fit(train.replace(cp=1), target.on("cpu").supports) == train.replace(cp=1)
+    assert not target.supports("cp_gradient"), "device-agnostic: only where every device has it"
+
+
+def test_a_compiled_routine_starts_each_case_with_a_fresh_compile_state(monkeypatch) -> None:
+    """A worker runs a whole run's sizes through one process; a routine declared compiled (Cut
+    Cross-Entropy, fullgraph=True) must not fail a case because earlier cases used up Dynamo's
+    recompile limit. Without the fresh state, the same sizes in one state hit the limit and raise."""
+    import torch
+    import torch._dynamo
+
+    from harness.engine.executor import fresh_compile_state
+
+    fn = torch.compile(lambda x: (x * 2).sum(), fullgraph=True, dynamic=False, backend="eager")
+    compiled, eager = load_target("harness.targets.peers.cce"), load_target(MEGATRON)
+    assert not compiled.supports("eager") and eager.supports("eager")
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    torch._dynamo.reset()
+    try:
+        for n in range(1, 6):  # one new size per case
+            fresh_compile_state(compiled)
+            fn(torch.ones(n))
+        with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+            for n in range(1, 6):  # a routine not declared compiled keeps its state: the limit is reached
+                fresh_compile_state(eager)
+                fn(torch.ones(n))
+    finally:
+        torch._dynamo.reset()
 
 
 @pytest.mark.distributed
@@ -260,13 +306,15 @@ def test_matrix_cells_say_pass_known_new_and_why_not() -> None:
     assert cells["memory"] == {"state": "pass", "applied": 3}  # the family: any of its checks that ran
     assert cells["grad-flags"] == {"state": "n/a", "note": "applies to no case it can take (no entropy)"}
     page = {"profile": "smoke", "tp": [1], "seed": 0, "date": "d", "harness": "h", "columns": matrix.columns(),
-            "peers": [{"name": "p", "status": "ran", "cases": 9, "elapsed_s": 1.0, "cells": cells, "upstream": ["u"],
-                       "summary": "s"},
+            "elapsed_s": 2.0, "cpu_s": 3.0,
+            "peers": [{"name": "p", "status": "ran", "cases": 9, "elapsed_s": 1.0, "cpu_s": 1.5, "profile": "smoke",
+                       "cells": cells, "upstream": ["u"], "summary": "s"},
                       {"name": "q", "status": "skipped", "reason": "runs only on CUDA", "upstream": ["v"],
                        "summary": "t"}]}
     for text in (matrix.render_markdown(page), matrix.render_html(page)):
         assert "NEW FINDING (1/9)" in text and "known (2/5)" in text and "bf16 cast" in text
         assert "runs only on CUDA" in text and "python -m harness repro X" in text
+        assert "1.0 s (smoke)" in text and "2.0 s wall, 3.0 s CPU" in text  # each peer's time, and the whole's
 
 
 @pytest.mark.distributed
@@ -283,6 +331,7 @@ def test_peers_command_writes_the_matrix(tmp_path) -> None:
     assert rows["liger"]["status"] == "skipped" and rows["liger"]["reason"]
     megatron = rows["megatron"]
     assert megatron["status"] == "ran" and megatron["cases"] > 0
+    assert megatron["profile"] == "smoke" and megatron["elapsed_s"] > 0 and megatron["cpu_s"] > 0
     assert megatron["cells"]["input-integrity"]["state"] == "known"  # #1594, explained by its known file
     assert not [c for c in megatron["cells"].values() if c["state"] == "finding"]
     assert (out / "peers.html").read_text().startswith("<!DOCTYPE html>") and (out / "megatron.json").exists()

@@ -58,17 +58,23 @@ def _detached(t: Any) -> Any:
 def metered(target: Target) -> bool:
     """Whether the memory meter may run around the target's calls: not around a compiled routine,
     which the meter would run eagerly (compiled code allocates past the dispatcher, where no ledger
-    sees it). For a compiled routine the worker
-    also lifts Dynamo's recompile limits: a pool process sees every dtype, grad mode and size
-    specialisation of a whole run, where a training process sees a few, and with fullgraph=True
-    hitting the limit raises, a failure of the harness's process reuse, not of the routine."""
+    sees it)."""
+    return target.supports("eager")
+
+
+def fresh_compile_state(target: Target) -> None:
+    """Before each case of a compiled routine (`eager` False): Dynamo's state as in a process of its
+    own, so the case is judged on what it does, as `harness repro` runs it alone, and not on what
+    earlier cases left in this worker. A pool process sees every dtype, grad mode and size of a
+    whole run, and with fullgraph=True its compiled routine would otherwise reach Dynamo's recompile
+    limit and raise: the process reuse's failure, not the routine's. The compiled code itself comes
+    back from Inductor's on-disk cache. A routine that does not declare `eager` False keeps torch's
+    defaults, as in training: past the limit Dynamo runs the same Python eagerly."""
     if target.supports("eager"):
-        return True
+        return
     import torch._dynamo
 
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4096)
-    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 65536)
-    return False
+    torch._dynamo.reset()
 
 
 def _observed_call(inp: Any, target: Target, case: Any, group: Any, meter: Meter, integrity: "_Integrity",
@@ -350,6 +356,7 @@ def run_on_rank(case: Case, target: Target, rank: int, device: torch.device, cp_
     several times the call itself), for a run whose checks read no memory figure."""
     result = RankResult(rank)
     group = tp_group()
+    fresh_compile_state(target)
     with trace.recording() as events, watching(device, case.level) as watch:
         try:
             if isinstance(case, KernelCase):

@@ -72,6 +72,10 @@ IDLE_PARK_S = 0.2
 MIN_MEASURED = 3
 CASE_FLOOR_S = 10.0
 CASE_COST_FACTOR = 100
+# The longest a job may run while a rank's stack shows an import or a compilation under way (a
+# compiled routine compiles again for each new dtype, grad mode or size specialisation, on every
+# rank at once: tens of seconds on a small, loaded machine), when no case timeout is set.
+COMPILE_BOUND_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -211,6 +215,11 @@ class WorkerPool:
             return backstop
         return min(backstop, max(CASE_FLOOR_S, CASE_COST_FACTOR * median))
 
+    def compile_bound_s(self, deadline_s: float) -> float:
+        """How long a job may run while a rank is still importing or compiling: the case timeout
+        when one is set, else COMPILE_BOUND_S (never less than the job's own deadline)."""
+        return deadline_s if self.case_timeout_s is not None else max(deadline_s, COMPILE_BOUND_S)
+
     def name(self, r: int) -> str:
         if self.dp == 1 and self.cp == 1:
             return f"rank {r}"
@@ -300,9 +309,15 @@ class WorkerPool:
         sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
         board = self.board if watch else None
         signature, moved_at = None, time.monotonic()
+        # A rank whose stack shows an import or a compilation still under way is not hung: its
+        # deadline moves on while it does, up to the case timeout (`compile_bound`).
+        bound = started + self.compile_bound_s(deadline - started)
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
+                if code is not None and deadline < bound and any(code.starting_up(r) for r in pending.values()):
+                    deadline = min(bound, time.monotonic() + stacks.STARTUP_EXTEND_S)
+                    continue
                 break
             ready = wait([*pending, *(s for s, r in sentinels.items() if r not in replies)],
                          timeout=min(left, POLL_S) if board is not None else left)
@@ -316,6 +331,8 @@ class WorkerPool:
                     if raised_at is None and isinstance(replies.get(r), RankResult) and replies[r].error:
                         raised_at = time.monotonic()
                         deadline = min(deadline, raised_at + RAISED_GRACE_S)
+                        if code is not None:  # a rank still compiling must show it before the grace ends
+                            code.probe_after_s = 0.0
                 elif sentinels.get(obj) is not None and sentinels[obj] not in replies:
                     r = sentinels[obj]
                     conn = self.conns[r]
@@ -351,7 +368,12 @@ class WorkerPool:
                 why = (f"still running {RAISED_GRACE_S:.0f}s after another rank raised (blocked in a collective?)"
                        if raised_at is not None else "gave no answer within the deadline (hung)")
                 if code is not None and r in code.ranks:
-                    why += (": still importing or compiling, " if code.starting_up(r) else ": ") + code.describe(r)
+                    if code.starting_up(r):
+                        why = (f"was still importing or compiling when the case timeout of {bound - started:.0f}s "
+                               f"passed: ")
+                    else:
+                        why += ": "
+                    why += code.describe(r)
                 trace = board.read(r).trace if board is not None else None
                 replies[r] = self._result(r, f"{self.name(r)} {why}", "timeout", trace)
         return [replies[r] for r in range(self.world)]

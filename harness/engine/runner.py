@@ -15,7 +15,7 @@ from cases.case import Case, parse_case
 from harness.checks import Check, Evidence, all_checks, oracle
 from harness.engine import torchrun
 from harness.engine.executor import CASE_JOB
-from harness.engine.pool import STARTUP_TIMEOUT_S, WorkerPool, meanwhile
+from harness.engine.pool import COMPILE_BOUND_S, STARTUP_TIMEOUT_S, WorkerPool, meanwhile
 from harness.errors import LaunchError, TargetError
 from harness.findings import Finding, repro_command
 from harness.known import KnownFindings, load as load_known
@@ -59,10 +59,6 @@ class CheckStats:
         return [m for group in self.margins_by_group.values() for m in group]
 
 
-# The case deadline of a compiled routine (HARNESS_CAPABILITIES['eager'] False): it compiles again
-# for each new dtype, grad mode or size specialisation, on every rank at once, which takes tens of
-# seconds on a small machine where its other cases take milliseconds (and set the scaled deadline).
-COMPILE_DEADLINE_S = 300.0
 # Pools per size on CPU: the case's own, and one more for the twins of its size that its checks
 # ask for (`Runner.run_together`).
 LANES = 2
@@ -96,8 +92,13 @@ class Runner:
         unavailable = self.target.unavailable(device)
         if unavailable:
             raise TargetError(unavailable)
+        self.target = self.target.on(device)  # what it can do on this device decides what is drawn
         self.device = device
-        self.collective_timeout_s = collective_timeout_s
+        # A compiled routine's rank may compile for longer than a collective's timeout while its
+        # peers wait in that collective: the gloo/NCCL timeout is the backstop, stuck ranks are
+        # found by evidence, so a compiled routine's backstop is the compile bound.
+        self.collective_timeout_s = collective_timeout_s if self.target.supports("eager") \
+            else max(collective_timeout_s, COMPILE_BOUND_S)
         self.case_timeout_s = case_timeout_s
         self.checks = checks if checks is not None else all_checks(bitwise=bitwise)
         # The bitwise property sheet: case.config() -> check -> [cases checked, cases where it held].
@@ -235,8 +236,8 @@ class Runner:
             # The target's first call on these workers imports what it calls (a peer pulling
             # in transformers), compiles, initialises: start-up, not the cost of a case.
             return max(pool.case_deadline(), STARTUP_TIMEOUT_S)
-        if not self.target.supports("eager"):
-            return max(pool.case_deadline(), COMPILE_DEADLINE_S)
+        if not self.target.supports("eager"):  # it compiles again for each new dtype, grad mode or size
+            return max(pool.case_deadline(), COMPILE_BOUND_S)
         return pool.case_deadline()
 
     def _store(self, case: Case, pool: Any, meter_memory: bool, replies: list[RankResult]) -> None:

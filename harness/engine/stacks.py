@@ -6,8 +6,10 @@ dependencies, compiling) or stuck in the routine's own code (a sleep, a wait on 
 Its stack tells the two apart by evidence: every worker registers `faulthandler` on a signal, the
 driver asks for a dump every second or so, and a rank whose stack has not changed for a few
 samples, with no import or compilation frame in it and no CPU used meanwhile, is stuck where the
-stack says. A start-up frame keeps the rank under the start-up deadline instead, and a rank that
-works with a stack that does not change (one long C call) under the case deadline.
+stack says. A rank that works with a stack that does not change (one long C call) is left to the
+case deadline. A compilation or an import still under way is never a hang: while a rank's latest
+stack shows one, the job's deadline moves on, STARTUP_EXTEND_S at a time, up to the case timeout
+(`WorkerPool.compile_bound_s`); only a rank still compiling at that bound is reported, as such.
 
 faulthandler writes from its C signal handler, without the GIL, so a rank spinning in Python or
 sleeping in C still answers. The signal is registered before the worker says "ready", and the
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -36,6 +39,8 @@ PROBE_EVERY_S = 1.0
 STILL_SAMPLES = 4
 DUMP_WAIT_S = 0.5
 SHOWN_FRAMES = 4
+# A job whose deadline passes while a rank is importing or compiling gets this much more at a time.
+STARTUP_EXTEND_S = 5.0
 # A rank that used less than this share of a core across its dumps is waiting, not working (its
 # gloo loop threads alone use about 2%). Only a waiting rank is stuck by its stack: a working one
 # may be in one long C call, or a loop on one line, whose stack does not change (a timing loop
@@ -83,13 +88,23 @@ def dump(path: str, pid: int) -> str:
     return text
 
 
+def worker_thread(text: str) -> str:
+    """The dump of the thread that runs the jobs (the one in the pool's worker loop), or the whole
+    dump when no thread is: other threads (tqdm's monitor, a compile pool's reader) say nothing
+    about what the job is doing."""
+    threads = re.split(r"\n(?=(?:Current thread|Thread) 0x)", text)
+    return next((t for t in threads if "in _worker_main" in t), text)
+
+
 def frames(text: str) -> list[str]:
-    """The frames of a dump, innermost first, with the thread headers dropped."""
-    return [line.strip() for line in text.splitlines() if line.strip().startswith("File ")]
+    """The frames of a dump's job thread, innermost first, with the thread headers dropped."""
+    return [line.strip() for line in worker_thread(text).splitlines() if line.strip().startswith("File ")]
 
 
 def starting_up(text: str) -> bool:
-    return any(marker in text for marker in STARTUP_FRAMES)
+    """The job thread is importing or compiling."""
+    job = worker_thread(text)
+    return any(marker in job for marker in STARTUP_FRAMES)
 
 
 @dataclass

@@ -18,7 +18,8 @@ from harness.report.render import environment
 
 CAPABILITY_WORDS = {"entropy": "no entropy", "keep_mask": "no keep mask",
                     "metric_only_entropy": "no metric-only entropy flag", "top_p": "no top-p replay",
-                    "context_parallel": "no context parallelism", "allgather_cp": "no all-gather CP layout"}
+                    "context_parallel": "no context parallelism", "allgather_cp": "no all-gather CP layout",
+                    "cp_gradient": "no CP backward on this device"}
 
 
 def family(chk: Check) -> str:

@@ -9,7 +9,7 @@ namespace by name. A module provides the kernel, the wrapper, the fused-linear r
 
 - `HARNESS_CAPABILITIES`: dict overriding `{"entropy": True, "keep_mask": True,
   "metric_only_entropy": True, "top_p": True, "cpu": True, "eager": True, "tensor_parallel": True,
-  "context_parallel": True, "allgather_cp": True}` for a routine
+  "context_parallel": True, "allgather_cp": True, "cp_gradient": True}` for a routine
   that computes no entropy, takes no keep mask, ignores `with_entropy_grad=False`, or whose wrapper
   takes no top-p replay, no context parallelism or no all-gather CP layout (cases needing
   it are fitted to what it does, and the summary says so: `cases.capabilities`); that runs only on
@@ -18,7 +18,9 @@ namespace by name. A module provides the kernel, the wrapper, the fused-linear r
   parts eagerly, and compiled code allocates past the dispatcher where no ledger sees it, so the
   meter stays off and the memory checks say "not applied"); or that is not tensor-parallel, so its adapter gathers the shards at TP > 1
   (`"tensor_parallel": False`: the memory checks say "not applied" there: the gather's cost is the
-  adapter's);
+  adapter's); or whose wrapper's CP backward cannot run (`"cp_gradient": False`: its CP cases run
+  without autograd). A value may be given per device, `{"cpu": False}`: a run on that device
+  fits its cases to False, any other to True;
 - `HARNESS_MEMORY_BUDGET`: dict of retained/peak budgets as multiples of `T * V_local * 4` bytes.
 
 A routine older than the contract's newest parameters (no `with_entropy_grad`, no top-p arguments)
@@ -27,6 +29,7 @@ docs/history.md); a level that the contract cannot call at all is left out (`not
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.metadata
 import inspect
@@ -51,7 +54,7 @@ class Target:
     spec: str
     kernel: Callable | None
     wrapper: Callable | None
-    capabilities: dict[str, bool] = field(default_factory=dict)
+    capabilities: dict[str, Any] = field(default_factory=dict)  # bool, or {device: bool} (`on`)
     memory_budget: dict[str, float] = field(default_factory=dict)
     linear: Callable | None = None  # the fused-linear level (docs/fused-linear.md)
     inferred: dict[str, bool] = field(default_factory=dict)  # capabilities read off the signatures
@@ -64,7 +67,15 @@ class Target:
                      if fn is not None)
 
     def supports(self, feature: str) -> bool:
-        return self.capabilities.get(feature, True)
+        """Whether it has `feature`; one declared per device counts only where every device has it
+        (`on` resolves it for the device of a run)."""
+        value = self.capabilities.get(feature, True)
+        return all(value.values()) if isinstance(value, dict) else value
+
+    def on(self, device: str) -> "Target":
+        """This target with its per-device capabilities (`{"cpu": False}`) resolved for `device`."""
+        resolved = {k: v.get(device, True) if isinstance(v, dict) else v for k, v in self.capabilities.items()}
+        return dataclasses.replace(self, capabilities=resolved)
 
     def kwargs(self, level: str, **kw: Any) -> dict[str, Any]:
         """The contract's keyword arguments for a call at `level`, less those the routine does not take."""

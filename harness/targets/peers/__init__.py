@@ -5,7 +5,9 @@ An adapter is a target module like any other (`--target harness.targets.peers.NA
 
 - `requires`: the importable modules it needs (the adapter is "not installed" without them);
 - `install`: the command that installs them;
-- `upstream`: the functions adapted, as `package.module.function`.
+- `upstream`: the functions adapted, as `package.module.function`;
+- `profile` (optional): the profile `harness peers` checks it at, `ci` unless a peer's own
+  sizes make a smaller one enough (the adapter says why).
 
 `NAME.known.toml` next to an adapter lists what the harness finds in that peer (the `--known`
 format, docs/known-findings.md), each with its reason; `harness peers` runs the peer with it, so the
@@ -24,6 +26,7 @@ import pkgutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from cases.profiles import DEFAULT_PROFILE
 from harness.targets import load_target
 
 
@@ -37,6 +40,7 @@ class Peer:
     summary: str  # the module docstring's first paragraph
     cuda_only: bool
     known: Path | None  # NAME.known.toml, when there is one
+    profile: str = DEFAULT_PROFILE  # the one `harness peers` checks it at
 
     def missing(self) -> list[str]:
         """The required modules that are not importable here."""
@@ -63,5 +67,6 @@ def peers() -> list[Peer]:
         target = load_target(spec)
         out.append(Peer(info.name, spec, tuple(meta["requires"]), meta["install"], tuple(meta["upstream"]),
                         " ".join((module.__doc__ or "").strip().split("\n\n")[0].split()), not target.supports("cpu"),
-                        known if (known := Path(__path__[0]) / f"{info.name}.known.toml").exists() else None))
+                        known if (known := Path(__path__[0]) / f"{info.name}.known.toml").exists() else None,
+                        meta.get("profile", DEFAULT_PROFILE)))
     return out

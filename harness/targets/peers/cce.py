@@ -8,9 +8,14 @@ of `(e @ c.T).float()` under `torch.compile`, which runs on CPU. It computes no 
 not tensor-parallel: at TP > 1 the adapter all-gathers the weight's vocab shards
 (`_mpu.gather_vocab`), so every rank computes the full answer. `log_prob = -loss`; `chunk_size`
 is ignored. Its `fullgraph=True` compile raises under any Python dispatch mode, so the target
-declares `"eager": False`: the harness runs it without the memory meter (and with Dynamo's
-recompile limits lifted, since a pool process sees every dtype and size of a run), and the memory
-checks say "not applied" and why.
+declares `"eager": False`: the harness runs it without the memory meter, and the memory checks
+say "not applied" and why; and every case starts from a fresh Dynamo state, so that no case is
+judged by the compilations earlier cases left in its worker (`fresh_compile_state`).
+
+`harness peers` checks it at the `smoke` profile: each case compiles (from Inductor's cache, once
+warm), and the routine has few of the dimensions `ci`'s extra draws vary (no entropy, no
+tensor parallelism of its own); the corpus's fused-linear cases, bf16 and the deep regime
+included, run at every profile.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from harness.targets.peers._mpu import gather_vocab
 # torch.compile(fullgraph=True) raises under a Python dispatch mode: the memory meter stays off.
 HARNESS_CAPABILITIES = {"entropy": False, "eager": False, "tensor_parallel": False}
 HARNESS_PEER = dict(requires=("cut_cross_entropy",), install="pip install cut-cross-entropy",
-                    upstream=("cut_cross_entropy.linear_cross_entropy (impl='torch_compile')",))
+                    upstream=("cut_cross_entropy.linear_cross_entropy (impl='torch_compile')",), profile="smoke")
 
 
 def calculate_linear_log_probs_and_entropy(hidden, weight, tokens, tp_group, with_entropy=False, chunk_size=-1,

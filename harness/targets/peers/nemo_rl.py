@@ -15,8 +15,9 @@ boundaries. NeMo-RL all-gathers the log-probs over the CP group (`AllGatherCPTen
 the whole sequence on every CP rank; the adapter hands back this rank's zigzag pieces of each
 response, as the contract asks. It has no all-gather (contiguous) CP layout: with
 `HARNESS_CAPABILITIES["allgather_cp"]` False the harness gives it such cases in the zigzag layout,
-and a call with `args.allgather_cp` set is refused. Its CP backward moves an index to CUDA, so a CPU
-run checks the CP forward only (the known file says why). `nemo_rl_unpacked` is the same wrapper
+and a call with `args.allgather_cp` set is refused. Its CP backward moves an index to CUDA, so on
+CPU its CP cases are drawn without autograd (`"cp_gradient": {"cpu": False}`): the CP forward is
+checked there, the CP gradient on CUDA. `nemo_rl_unpacked` is the same wrapper
 over `from_parallel_logits_to_logprobs`.
 
 NeMo-RL is not on the package index in a usable version; the module imports on CPU with torch
@@ -32,7 +33,9 @@ import torch.distributed as dist
 
 from harness.targets.peers._mpu import parallel_state_group
 
-HARNESS_CAPABILITIES = {"entropy": False, "keep_mask": False, "allgather_cp": False}
+# Its CP backward moves an index to CUDA (`AllGatherCPTensor.backward`): on CPU its CP cases run
+# without autograd, which checks the CP forward on both paths (docs/peers.md).
+HARNESS_CAPABILITIES = {"entropy": False, "keep_mask": False, "allgather_cp": False, "cp_gradient": {"cpu": False}}
 HARNESS_PEER = dict(
     requires=("nemo_rl.distributed.model_utils",),
     install="put a NeMo-RL source tree on PYTHONPATH: git clone https://github.com/NVIDIA-NeMo/RL nemo-rl "

@@ -8,6 +8,9 @@ NeMo-RL pads every sequence of a batch to one length; the contract's rows are ea
 to its own multiple of 2 * cp, so the adapter calls it once per sequence (a batch of one) on that
 sequence's rows, a view of the caller's logits. It has no kernel level of its own: the functions
 it dispatches to are the `nemo_rl` adapter's kernel.
+
+`harness peers` checks it at the `smoke` profile: below its wrapper it runs the same functions as
+`nemo_rl`, which the matrix checks at `ci`; the corpus's wrapper and CP cases run at every profile.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ HARNESS_PEER = dict(
     requires=("nemo_rl.distributed.model_utils",),
     install="put a NeMo-RL source tree on PYTHONPATH: git clone https://github.com/NVIDIA-NeMo/RL nemo-rl "
             "&& export PYTHONPATH=$PWD/nemo-rl:$PYTHONPATH (torch alone runs its model_utils on CPU)",
-    upstream=("nemo_rl.distributed.model_utils.from_parallel_logits_to_logprobs",))
+    upstream=("nemo_rl.distributed.model_utils.from_parallel_logits_to_logprobs",), profile="smoke")
 
 
 def _per_sequence_rows(x: torch.Tensor, tokens: list[torch.Tensor], lengths: list[int], padded: list[int],
