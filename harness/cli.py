@@ -19,16 +19,19 @@ from typing import Any
 
 from cases.case import parse_case
 from cases.profiles import PROFILES
-from harness import history, mutate, options, peer_matrix, perf_gate
-from harness.checks import listing
-from harness.engine import pool, torchrun
-from harness.engine.explorer import explore, plan, run_corpus
-from harness.engine.limits import RunLimits
-from harness.engine.runner import Runner
-from harness.errors import HarnessError, TargetError, UsageError
-from harness.findings import Finding
-from harness.options import RunConfig
-from harness.report import render, trend
+from harness.base import options
+from harness.base.errors import HarnessError, TargetError, UsageError
+from harness.base.options import RunConfig
+from harness.checks.findings import Finding
+from harness.commands import checks as listing
+from harness.commands import history, mutate, trend
+from harness.commands import peers as peer_matrix
+from harness.driver import pool, torchrun
+from harness.driver.explorer import explore, plan, run_corpus
+from harness.driver.limits import RunLimits
+from harness.driver.runner import Runner
+from harness.perf import gate as perf_gate
+from harness.report import render
 
 
 def _progress(quiet: bool):

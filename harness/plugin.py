@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from cases.profiles import load_for_pytest
-from harness import options
-from harness.errors import HarnessError
-from harness.options import RunConfig
+from harness.base import options
+from harness.base.errors import HarnessError
+from harness.base.options import RunConfig
 
 MARKERS = {
     "gpu": "needs CUDA; skipped cleanly without it",
@@ -36,7 +36,7 @@ def run_config(config: pytest.Config, pools: dict | None = None) -> RunConfig:
 def pytest_cmdline_main(config: pytest.Config) -> int | None:
     """Under torchrun: rank 0 runs the session, its pools are the launched ranks; the other ranks
     only serve rank 0's jobs (no collection, no output) and exit with its exit code."""
-    from harness.engine import torchrun
+    from harness.driver import torchrun
 
     if not torchrun.active():
         return None
@@ -129,7 +129,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def harness_pools(request: pytest.FixtureRequest):
     """One persistent pool per TP size for the whole session, shared by every runner."""
-    from harness.engine.pool import WorkerPool
+    from harness.driver.pool import WorkerPool
 
     pools: dict[int, WorkerPool] = {}
     yield pools
@@ -140,7 +140,7 @@ def harness_pools(request: pytest.FixtureRequest):
 @pytest.fixture(scope="session")
 def harness_runner(request: pytest.FixtureRequest, harness_pools):
     """The runner for --target on the session's pools."""
-    from harness.engine.runner import Runner
+    from harness.driver.runner import Runner
 
     try:
         runner = Runner.for_run(run_config(request.config, harness_pools))

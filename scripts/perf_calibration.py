@@ -31,10 +31,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cases.benchmarks import PERF_CASES  # noqa: E402
-from harness.engine.perf_jobs import PAIRED_JOB  # noqa: E402
-from harness.engine.pool import WorkerPool  # noqa: E402
-from harness.meters import timing as perf  # noqa: E402
-from harness.perf_gate import DEFAULT_THRESHOLD, label  # noqa: E402
+from harness.driver.pool import WorkerPool  # noqa: E402
+from harness.perf import timing as perf  # noqa: E402
+from harness.perf.gate import DEFAULT_THRESHOLD, label  # noqa: E402
+from harness.perf.jobs import PAIRED_JOB  # noqa: E402
 from harness.targets import DEFAULT_TARGET  # noqa: E402
 
 SLOWDOWNS = (0.05, 0.10, 0.20)
@@ -69,7 +69,7 @@ def calibrate(pool: WorkerPool, case, pairs: int, clock: str) -> dict[float, flo
 def instruction_repeatability(runs: int, say) -> None:
     """The clean routine counted `runs` times (separate callgrind processes) and the needless-pass
     mutant once: the spread of the counts against the change the gate must see."""
-    from harness.engine import callgrind as instructions
+    from harness.perf import callgrind as instructions
 
     cases = [c for c in PERF_CASES if c.tp == 1]
     counts = []

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from cases.case import KernelCase, WrapperCase, parse_case
-from harness.engine import pool as pool_module
-from harness.engine.runner import Runner
-from harness.observations import RankResult
+from harness.base.observations import RankResult
+from harness.driver import pool as pool_module
+from harness.driver.runner import Runner
 
 pytestmark = pytest.mark.distributed
 
@@ -186,7 +186,7 @@ def test_case_results_are_cached_per_runner(harness_runner):
 
 
 def test_closed_pool_leaves_no_process():
-    from harness.engine.pool import WorkerPool
+    from harness.driver.pool import WorkerPool
 
     # A private pool on purpose: this test is about a pool's own shutdown.
     pool = WorkerPool(2)

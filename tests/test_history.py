@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from harness.base.errors import TargetError
 from harness.cli import UNTESTABLE, main
-from harness.errors import TargetError
 from harness.targets import from_namespace
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,8 +11,8 @@ import pytest
 
 from cases import case as case_module
 from cases.case import CASE_TYPES, CONTEXTS, LAYOUTS, LOSS_TERMS, KernelCase, parse_case, valid_values
-from harness.checks import listing
 from harness.cli import main
+from harness.commands import checks as listing
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from cases.profiles import DEFAULT_PROFILE, PROFILES
-from harness.errors import UsageError
+from harness.base.errors import UsageError
 from harness.targets import DEFAULT_TARGET
 
 

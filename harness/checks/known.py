@@ -13,15 +13,16 @@ reach it). `--strict` makes known findings and stale entries fail the run too.
 """
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tomllib
+
 from cases.case import CASE_TYPES, fmt_field, parse_case, valid_values
+from harness.base.errors import UsageError
 from harness.checks import BASELINE_CHECKS, all_checks
-from harness.errors import UsageError
-from harness.findings import Finding
+from harness.checks.findings import Finding
 
 ENTRY_KEYS = {"check", "where", "reason", "link"}
 

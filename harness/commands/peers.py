@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import options
+from harness.base import options
 from harness.report import matrix
 from harness.targets.peers import Peer, peers
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from matplotlib.figure import Figure  # Figure.savefig renders PNG through Agg: no pyplot, no GUI
 
-from harness.errors import UsageError
-from harness.perf_gate import FORMAT as BASELINE_FORMAT
+from harness.base.errors import UsageError
+from harness.perf.gate import FORMAT as BASELINE_FORMAT
 
 # metric -> (axis label, scale from the stored unit). Stored units: seconds, instructions, bytes.
 METRICS = {

@@ -8,13 +8,14 @@ caches each distributed run, so a case runs once however many checks read it.
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, seed as hyp_seed, settings
+from hypothesis import given, settings
+from hypothesis import seed as hyp_seed
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 
 from cases.strategies import kernel_cases, linear_cases, wrapper_cases
+from harness.base.errors import TargetError
 from harness.checks import all_checks
-from harness.errors import TargetError
 from harness.targets import load_target
 
 DTYPES = ("fp32", "bf16", "fp16")

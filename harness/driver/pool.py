@@ -46,12 +46,12 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
+from harness.base.errors import PoolStartError
+from harness.base.observations import HANG_KINDS, RankResult
 from harness.engine import stacks, wire
 from harness.engine.progress import ProgressBoard
 from harness.meters import memory
-from harness.errors import PoolStartError
 from harness.meters.trace import fmt_event
-from harness.observations import HANG_KINDS, RankResult
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 20.0
 STARTUP_TIMEOUT_S = 120.0

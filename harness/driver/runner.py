@@ -12,15 +12,16 @@ from typing import Any, Callable
 
 from cases.capabilities import fit
 from cases.case import Case, parse_case
+from harness.base.errors import LaunchError, TargetError
+from harness.base.observations import RankResult
+from harness.base.options import RunConfig
 from harness.checks import Check, Evidence, all_checks, oracle
-from harness.engine import torchrun
+from harness.checks.findings import Finding, repro_command
+from harness.checks.known import KnownFindings
+from harness.checks.known import load as load_known
+from harness.driver import torchrun
+from harness.driver.pool import STARTUP_TIMEOUT_S, WorkerPool, meanwhile
 from harness.engine.executor import CASE_JOB
-from harness.engine.pool import STARTUP_TIMEOUT_S, WorkerPool, meanwhile
-from harness.errors import LaunchError, TargetError
-from harness.findings import Finding, repro_command
-from harness.known import KnownFindings, load as load_known
-from harness.observations import RankResult
-from harness.options import RunConfig
 from harness.targets import Target, load_target, repro_env
 
 CACHE_SIZE = 4096

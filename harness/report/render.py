@@ -19,9 +19,9 @@ import jinja2
 
 from cases.case import Case
 from harness.checks import Evidence
+from harness.checks.findings import Finding
 from harness.checks.memory import budget_use
-from harness.engine.runner import Runner
-from harness.findings import Finding
+from harness.driver.runner import Runner
 from harness.meters import memory
 from harness.report import view as report_view
 from harness.report.plots import baseline_figure, margin_figure, memory_figure, png_uri

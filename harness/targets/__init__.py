@@ -38,7 +38,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-from harness.errors import TargetError
+from harness.base.errors import TargetError
 
 KERNEL = "calculate_log_probs_and_entropy"
 WRAPPER = "get_log_probs_and_entropy"
