@@ -31,11 +31,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cases.benchmarks import PERF_CASES  # noqa: E402
+from harness.base.options import DEFAULT_TARGET  # noqa: E402
 from harness.driver.pool import WorkerPool  # noqa: E402
 from harness.perf import timing as perf  # noqa: E402
 from harness.perf.gate import DEFAULT_THRESHOLD, label  # noqa: E402
 from harness.perf.jobs import PAIRED_JOB  # noqa: E402
-from harness.targets import DEFAULT_TARGET  # noqa: E402
 
 SLOWDOWNS = (0.05, 0.10, 0.20)
 

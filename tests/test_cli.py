@@ -115,20 +115,21 @@ def test_ctrl_c_stops_the_run_and_leaves_no_process():
 def test_an_error_raised_after_an_interrupt_still_ends_as_interrupted(monkeypatch, capsys):
     """Hypothesis, interrupted while it starts its engine, raises AssertionError, not the interrupt."""
     from harness import cli
-    from harness.driver import pool
+    from harness.commands import check
+    from harness.driver import process
 
     def broken(interrupted: bool):
         def command(ns, cfg):
             if interrupted:
-                monkeypatch.setattr(pool, "_interrupted", signal.SIGINT)  # as Ctrl-C's handler records it
+                monkeypatch.setattr(process, "_interrupted", signal.SIGINT)  # as Ctrl-C's handler records it
             raise AssertionError("state._runner is not None")
         return command
 
-    monkeypatch.setattr(cli, "cmd_check", broken(interrupted=True))
+    monkeypatch.setattr(check, "cmd_check", broken(interrupted=True))
     assert cli.main(["check", "--profile", "smoke"]) == 130
     assert "interrupted by SIGINT" in capsys.readouterr().err
-    monkeypatch.setattr(pool, "_interrupted", 0)
-    monkeypatch.setattr(cli, "cmd_check", broken(interrupted=False))
+    monkeypatch.setattr(process, "_interrupted", 0)
+    monkeypatch.setattr(check, "cmd_check", broken(interrupted=False))
     with pytest.raises(AssertionError):  # without an interrupt, an error is an error
         cli.main(["check", "--profile", "smoke"])
 

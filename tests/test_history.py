@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from harness.base.errors import TargetError
-from harness.cli import UNTESTABLE, main
+from harness.cli import main
+from harness.commands.repro import UNTESTABLE
 from harness.targets import from_namespace
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,12 +18,12 @@ import pytest
 from cases.benchmarks import PERF_CASES
 from cases.case import parse_case
 from harness.base.errors import UsageError
+from harness.base.options import DEFAULT_TARGET
 from harness.driver.runner import Runner
 from harness.perf import callgrind as instructions
 from harness.perf import gate as baseline
 from harness.perf import timing as perf
 from harness.perf.jobs import PAIRED_JOB
-from harness.targets import DEFAULT_TARGET
 
 FAST_CASES = [PERF_CASES[2], PERF_CASES[4]]  # TP 1 chunked log-prob, TP 2 bf16 log-prob
 SLOW_MUTANT = "mutant:needless-exp-pass"

@@ -15,14 +15,13 @@ from typing import Any
 from cases.benchmarks import PERF_CASES
 from harness.base import options
 from harness.base.errors import UsageError
-from harness.base.options import RunConfig
+from harness.base.options import DEFAULT_TARGET, RunConfig
 from harness.checks import all_checks
 from harness.checks.findings import Finding
 from harness.driver.explorer import explore, run_corpus
 from harness.driver.pool import WorkerPool
 from harness.driver.runner import Runner
 from harness.perf import gate as perf_gate
-from harness.targets import DEFAULT_TARGET
 from harness.targets.mutants import Mutant, catalog
 
 CLEAN = "clean"

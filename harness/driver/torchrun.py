@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from harness.base.errors import LaunchError
 from harness.base.observations import RankResult
-from harness.driver.pool import RankContext, WorkerPool, resolve
+from harness.driver.pool import WorkerPool
+from harness.engine.rank import RankContext, resolve
 from harness.meters import trace
 
 if TYPE_CHECKING:

@@ -43,7 +43,6 @@ from harness.base.errors import TargetError
 KERNEL = "calculate_log_probs_and_entropy"
 WRAPPER = "get_log_probs_and_entropy"
 LINEAR = "calculate_linear_log_probs_and_entropy"
-DEFAULT_TARGET = "harness.targets.fused"
 
 
 @dataclass
