@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from cases.benchmarks import PERF_CASES
-from harness.base.observations import RankResult
 from harness.engine.calls import prepared_call
+from harness.engine.observations import RankResult
 from harness.perf import callgrind as instructions
 from harness.perf import timing as perf
 from harness.perf.gate import collective_counts, label, memory_figures

@@ -5,13 +5,13 @@
     .venv/bin/python scripts/perf_calibration.py --clock wall       # wall clock instead of CPU time
     .venv/bin/python scripts/perf_calibration.py --comparisons 0 --instruction-runs 3   # callgrind repeatability
 
-Each comparison is exactly what `check --baseline` does for one case: rounds of `engine.perf_jobs.paired_job`
+Each comparison is exactly what `check --baseline` does for one case: rounds of `perf.jobs.paired_job`
 on the case's worker pool (`perf.PAIRS` pairs each, more rounds while the interval straddles the
 decision line: `perf.sequential_ratio`), then `Ratio.verdict(threshold)`.
 
 - False alarms: the built-in routine against itself, `--comparisons` times per case.
 - Detection: the same routine where every call of the "new" side is followed by busy work lasting
-  a fixed fraction of that call's own duration on the measuring clock (`engine.perf_jobs.paired_job(inject=...)`),
+  a fixed fraction of that call's own duration on the measuring clock (`perf.jobs.paired_job(inject=...)`),
   so the slowdown holds whatever the machine does meanwhile. The busy work also costs the next
   call some cache refills (about +1%), so the fraction for 5%, 10% and 20% is set per case by one
   long paired run (`--calibration-pairs`) and corrected by what it measured. The median ratio the

@@ -13,10 +13,10 @@ PACKAGE = ROOT / "harness"
 # rank side (what runs in the workers) sits below the checks, the driver (pools, runner, explorer)
 # above them; the root package holds only the entry points (`ENTRY_POINTS`), above every layer.
 LAYERS: tuple[str, ...] = (
+    "harness.base",      # the harness's own errors, the options and the run's configuration
     "harness.meters",    # instruments: the collective trace, the memory meter
-    "harness.base",      # errors, options and the run's configuration, observations
     "harness.targets",   # loading a target; the built-in routines, the mutation catalog, the peers
-    "harness.engine",    # the rank side: the rank loop, a rank's shard of a case, the executor
+    "harness.engine",    # the rank side: the rank loop, a rank's shard of a case, the executor, observations
     "harness.checks",    # the check registry, the oracle and tolerances, findings, known findings
     "harness.driver",    # the driver side: pools, torchrun, runner, explorer, limits, process state
     "harness.perf",      # the performance gate: baselines, timing jobs, clocks, callgrind

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from cases.case import KernelCase, WrapperCase, parse_case
-from harness.base.observations import RankResult
 from harness.driver import pool as pool_module
 from harness.driver import process
 from harness.driver.runner import Runner
+from harness.engine.observations import RankResult
 
 pytestmark = pytest.mark.distributed
 

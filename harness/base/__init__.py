@@ -1,2 +1,3 @@
-"""What every layer above shares: the harness's own errors (`errors`), the options and the run's
-configuration (`options`), and what a rank observed while running one case (`observations`)."""
+"""What every layer shares, importing nothing of the harness: the harness's own errors (`errors`),
+and the options of the CLI and the pytest plugin with their defaults and the run's configuration
+(`options`)."""

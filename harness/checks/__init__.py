@@ -13,8 +13,8 @@ from typing import Any, Callable
 import torch
 
 from cases.case import AUTOGRAD_OFF, Case
-from harness.base.observations import Observation, RankResult
 from harness.checks import oracle, tolerance
+from harness.engine.observations import Observation, RankResult
 from harness.targets import Target
 
 

@@ -2,8 +2,8 @@
 rank issues the same collectives, and the caller's inputs survive."""
 from __future__ import annotations
 
-from harness.base.observations import HANG_KINDS
 from harness.checks import CALL_LEVELS, Evidence, bitwise_diff, check
+from harness.engine.observations import HANG_KINDS
 from harness.meters.trace import fmt_event
 
 

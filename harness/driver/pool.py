@@ -41,9 +41,9 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 from harness.base.errors import PoolStartError
-from harness.base.observations import HANG_KINDS, RankResult
 from harness.driver import process
 from harness.engine import stacks, wire
+from harness.engine.observations import HANG_KINDS, RankResult
 from harness.engine.progress import ProgressBoard
 from harness.engine.rank import _worker_main, coordinates
 from harness.meters import memory

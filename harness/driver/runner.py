@@ -13,7 +13,6 @@ from typing import Any, Callable
 from cases.capabilities import fit
 from cases.case import Case, parse_case
 from harness.base.errors import LaunchError, TargetError
-from harness.base.observations import RankResult
 from harness.base.options import RunConfig
 from harness.checks import Check, Evidence, all_checks, oracle
 from harness.checks.findings import Finding, repro_command
@@ -22,6 +21,7 @@ from harness.checks.known import load as load_known
 from harness.driver import torchrun
 from harness.driver.pool import STARTUP_TIMEOUT_S, WorkerPool, meanwhile
 from harness.engine.executor import CASE_JOB
+from harness.engine.observations import RankResult
 from harness.targets import Target, load_target, repro_env
 
 CACHE_SIZE = 4096

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from harness.base.errors import LaunchError
-from harness.base.observations import RankResult
 from harness.driver.pool import WorkerPool
+from harness.engine.observations import RankResult
 from harness.engine.rank import RankContext, resolve
 from harness.meters import trace
 

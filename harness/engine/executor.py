@@ -12,21 +12,9 @@ import torch
 
 import reference
 from cases.case import Case, KernelCase, LinearCase, WrapperCase
-from harness.base.observations import KernelPass, Observation, RankResult, TensorMeta
-from harness.engine.calls import (
-    KernelShard,
-    LinearShard,
-    cp_local,
-    cp_local_logits,
-    grad_context,
-    group_coordinates,
-    laid_out,
-    shard,
-    tokens_laid_out,
-    tp_group,
-    view_of,
-    weighted,
-)
+from harness.engine.calls import (KernelShard, LinearShard, cp_local, cp_local_logits, grad_context, group_coordinates,
+                                  laid_out, shard, tokens_laid_out, tp_group, view_of, weighted)
+from harness.engine.observations import KernelPass, Observation, RankResult, TensorMeta
 from harness.meters import trace
 from harness.meters.memory import Meter
 from harness.targets import Target, load_target

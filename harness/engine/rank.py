@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from harness.base.observations import RankResult
 from harness.engine import stacks, wire
+from harness.engine.observations import RankResult
 from harness.engine.progress import ProgressBoard
 
 

@@ -32,9 +32,9 @@ from cases.benchmarks import PERF_CASES
 from cases.capabilities import needs
 from cases.case import KernelCase, parse_case
 from harness.base.errors import InstructionCountError, TargetError, UsageError
-from harness.base.observations import RankResult
 from harness.checks.findings import Finding
 from harness.driver.runner import Runner
+from harness.engine.observations import RankResult
 from harness.meters.memory import figures_of
 from harness.perf import callgrind, timing
 from harness.perf.jobs import PAIRED_JOB, TIME_JOB

@@ -1,5 +1,5 @@
 """Rank-side timing jobs of the performance gate, run on a case's pool with `pool.run(JOB, ...)`.
-The clocks and statistics are `meters.timing`'s; the call timed is `calls.prepared_call`."""
+The clocks and statistics are `perf.timing`'s; the call timed is `calls.prepared_call`."""
 from __future__ import annotations
 
 import gc
