@@ -4,7 +4,7 @@ import importlib.util
 
 import pytest
 
-from harness.extras import install_line
+from harness.base.extras import install_line
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from cases.benchmarks import PERF_CASES
-from harness.engine import callgrind as instructions
 from harness.engine.calls import prepared_call
-from harness.engine.perf_jobs import CALL_JOB
-from harness.meters import timing as perf
-from harness.observations import RankResult
-from harness.perf_gate import collective_counts, label, memory_figures
+from harness.engine.observations import RankResult
+from harness.perf import callgrind as instructions
+from harness.perf import timing as perf
+from harness.perf.gate import collective_counts, label, memory_figures
+from harness.perf.jobs import CALL_JOB
 
 pytestmark = pytest.mark.perf
 

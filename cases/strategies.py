@@ -7,8 +7,24 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from cases.case import (CONTEXTS, CP_LAYOUTS, DRIFT, FROZEN, HIDDEN_VIEWS, LAYOUTS, LINEAR_CONTEXTS, LINEAR_REGIMES,
-                        LOSS_TERMS, MASKS, REGIMES, TOKEN_LAYOUTS, TOP_P, KernelCase, LinearCase, WrapperCase)
+from cases.case import (
+    CONTEXTS,
+    CP_LAYOUTS,
+    DRIFT,
+    FROZEN,
+    HIDDEN_VIEWS,
+    LAYOUTS,
+    LINEAR_CONTEXTS,
+    LINEAR_REGIMES,
+    LOSS_TERMS,
+    MASKS,
+    REGIMES,
+    TOKEN_LAYOUTS,
+    TOP_P,
+    KernelCase,
+    LinearCase,
+    WrapperCase,
+)
 
 TP_SIZES = (1, 2, 4)
 SEEDS = st.integers(0, 2**31 - 1)

@@ -15,8 +15,8 @@ import os
 
 import pytest
 
-from harness import options
-from harness.errors import HarnessError
+from harness.base import options
+from harness.base.errors import HarnessError
 
 # The CLI's options, flags and validators, as `--harness-NAME` and ini `harness_NAME`.
 NAMES = ("target", "tp", "cp", "device", "collective_timeout", "case_timeout", "profile", "seed", "known",
@@ -52,7 +52,7 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
     and exit with its exit code. A launched session of the user's own tests is left alone."""
     if not all(k in os.environ for k in LAUNCH_ENV) or not options.pytest_asked(config, NAMES):
         return None
-    from harness.engine import torchrun
+    from harness.driver import torchrun
 
     cfg = run_config(config)
     try:
@@ -137,7 +137,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def harness_pools(request: pytest.FixtureRequest):
     """One persistent pool per TP size for the whole session, shared by every runner."""
-    from harness.engine.pool import WorkerPool
+    from harness.driver.pool import WorkerPool
     from harness.meters import ledger_build
 
     # The memory ledger's first build, where it happens, says so on the terminal (not in a capture).
@@ -156,7 +156,7 @@ def harness_pools(request: pytest.FixtureRequest):
 @pytest.fixture(scope="session")
 def harness_runner(request: pytest.FixtureRequest, harness_pools):
     """The runner for the session's target on the session's pools."""
-    from harness.engine.runner import Runner
+    from harness.driver.runner import Runner
 
     try:
         runner = Runner.for_run(run_config(request.config, harness_pools))

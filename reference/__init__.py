@@ -4,8 +4,8 @@ from .kernel import effective_keep_mask, entropy, log_probs, logits_grad
 from .linear import linear_entropy, linear_grads, linear_log_probs, linear_logits
 from .wrapper import (
     apply_temperature,
-    recorded_rows,
     entropy_grad_rule,
+    recorded_rows,
     response_rows,
     shifted_targets,
     top_p_keep_mask,

@@ -11,9 +11,9 @@ import sys
 import time
 
 from cases.corpus import CORPUS
-from harness.engine.explorer import explore
-from harness.engine.runner import Runner
-from harness.known import load
+from harness.checks.known import load
+from harness.driver.explorer import explore
+from harness.driver.runner import Runner
 
 
 def main(target: str, n: int, cp_sizes: list[int], known: str | None = None) -> int:

@@ -21,9 +21,9 @@ import argparse
 
 import torch
 
+import reference
 from cases.case import DTYPES, LinearCase
 from harness.checks.tolerance import linear_bounds
-import reference
 
 
 def _dw(g: torch.Tensor, h: torch.Tensor, chunk: int, acc: torch.dtype) -> torch.Tensor:

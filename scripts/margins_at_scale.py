@@ -16,8 +16,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cases.case import REGIMES, KernelCase  # noqa: E402
-from harness.engine.pool import WorkerPool  # noqa: E402
-from harness.engine.runner import Runner  # noqa: E402
+from harness.driver.pool import WorkerPool  # noqa: E402
+from harness.driver.runner import Runner  # noqa: E402
 
 CONTROLS = ("harness.targets.fused", "tests.controls.unshifted", "tests.controls.online", "tests.controls.gather",
             "tests.controls.twopass_pairwise", "tests.controls.inplace_grad", "tests.controls.autograd_collective")

@@ -22,10 +22,10 @@ import time
 from datetime import timedelta
 from types import SimpleNamespace
 
+import nemo_rl.distributed.model_utils  # noqa: F401  (imported once, before the ranks fork)
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import nemo_rl.distributed.model_utils  # noqa: F401  (imported once, before the ranks fork)
 from megatron.core import parallel_state as mpu
 
 from harness.targets.peers import nemo_rl, nemo_rl_unpacked

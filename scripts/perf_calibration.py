@@ -5,13 +5,13 @@
     .venv/bin/python scripts/perf_calibration.py --clock wall       # wall clock instead of CPU time
     .venv/bin/python scripts/perf_calibration.py --comparisons 0 --instruction-runs 3   # callgrind repeatability
 
-Each comparison is exactly what `check --baseline` does for one case: rounds of `engine.perf_jobs.paired_job`
+Each comparison is exactly what `check --baseline` does for one case: rounds of `perf.jobs.paired_job`
 on the case's worker pool (`perf.PAIRS` pairs each, more rounds while the interval straddles the
 decision line: `perf.sequential_ratio`), then `Ratio.verdict(threshold)`.
 
 - False alarms: the built-in routine against itself, `--comparisons` times per case.
 - Detection: the same routine where every call of the "new" side is followed by busy work lasting
-  a fixed fraction of that call's own duration on the measuring clock (`engine.perf_jobs.paired_job(inject=...)`),
+  a fixed fraction of that call's own duration on the measuring clock (`perf.jobs.paired_job(inject=...)`),
   so the slowdown holds whatever the machine does meanwhile. The busy work also costs the next
   call some cache refills (about +1%), so the fraction for 5%, 10% and 20% is set per case by one
   long paired run (`--calibration-pairs`) and corrected by what it measured. The median ratio the
@@ -31,11 +31,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cases.benchmarks import PERF_CASES  # noqa: E402
-from harness.engine.perf_jobs import PAIRED_JOB  # noqa: E402
-from harness.engine.pool import WorkerPool  # noqa: E402
-from harness.meters import timing as perf  # noqa: E402
-from harness.perf_gate import DEFAULT_THRESHOLD, label  # noqa: E402
-from harness.targets import DEFAULT_TARGET  # noqa: E402
+from harness.base.options import DEFAULT_TARGET  # noqa: E402
+from harness.driver.pool import WorkerPool  # noqa: E402
+from harness.perf import timing as perf  # noqa: E402
+from harness.perf.gate import DEFAULT_THRESHOLD, label  # noqa: E402
+from harness.perf.jobs import PAIRED_JOB  # noqa: E402
 
 SLOWDOWNS = (0.05, 0.10, 0.20)
 
@@ -69,7 +69,7 @@ def calibrate(pool: WorkerPool, case, pairs: int, clock: str) -> dict[float, flo
 def instruction_repeatability(runs: int, say) -> None:
     """The clean routine counted `runs` times (separate callgrind processes) and the needless-pass
     mutant once: the spread of the counts against the change the gate must see."""
-    from harness.engine import callgrind as instructions
+    from harness.perf import callgrind as instructions
 
     cases = [c for c in PERF_CASES if c.tp == 1]
     counts = []

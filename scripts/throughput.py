@@ -42,11 +42,12 @@ from hypothesis import strategies as st
 
 from cases.strategies import kernel_cases, linear_cases, wrapper_cases
 from harness.checks import oracle
-from harness.engine import executor, runner as runner_module
+from harness.driver import runner as runner_module
+from harness.driver.pool import WorkerPool
+from harness.driver.runner import Runner
+from harness.engine import executor
 from harness.engine.executor import CASE_JOB
-from harness.engine.pool import WorkerPool
-from harness.engine.runner import Runner
-from harness.observations import RankResult
+from harness.engine.observations import RankResult
 from harness.targets import load_target
 
 MAX_WORLD = 8

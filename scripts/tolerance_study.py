@@ -12,10 +12,9 @@ from __future__ import annotations
 import math
 import sys
 from collections import defaultdict
+from pathlib import Path  # noqa: E402
 
 import torch
-
-from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness.checks import tolerance as tol  # noqa: E402

@@ -9,22 +9,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "harness"
 
-# Low to high. A module may import its own layer or a lower one. The engine has a rank side (what
-# runs in the workers) below the checks, and a driver side (runner, explorer) above them.
-LAYERS: tuple[tuple[str, ...], ...] = (
-    ("harness.errors", "harness.extras", "harness.meters"),
-    ("harness.observations", "harness.targets"),
-    ("harness.targets.mutants", "harness.options"),
-    ("harness.engine.calls", "harness.engine.executor", "harness.engine.progress", "harness.engine.stacks",
-     "harness.engine.process_state",
-     "harness.engine.wire", "harness.engine.pool",
-     "harness.engine.torchrun", "harness.engine.perf_jobs", "harness.engine.callgrind"),
-    ("harness.checks", "harness.findings", "harness.known"),
-    ("harness.engine.runner", "harness.engine.limits", "harness.engine.explorer"),
-    ("harness.perf_gate", "harness.report"),
-    ("harness.mutate", "harness.peer_matrix", "harness.history"),
-    ("harness.cli", "harness.plugin", "harness.__main__", "harness.conformance"),
+# Low to high, one package per layer. A module may import its own layer or a lower one. The engine's
+# rank side (what runs in the workers) sits below the checks, the driver (pools, runner, explorer)
+# above them; the root package holds only the entry points (`ENTRY_POINTS`), above every layer.
+LAYERS: tuple[str, ...] = (
+    "harness.base",      # the harness's own errors, the options and the run's configuration
+    "harness.meters",    # instruments: the collective trace, the memory meter
+    "harness.targets",   # loading a target; the built-in routines, the mutation catalog, the peers
+    "harness.engine",    # the rank side: the rank loop, a rank's shard of a case, the executor, observations
+    "harness.checks",    # the check registry, the oracle and tolerances, findings, known findings
+    "harness.driver",    # the driver side: pools, torchrun, runner, explorer, limits, process state
+    "harness.perf",      # the performance gate: baselines, timing jobs, clocks, callgrind
+    "harness.report",    # the console printer, the result JSON, the HTML/markdown reports
+    "harness.commands",  # the subcommands of `python -m harness`
+    "harness",           # the entry points
 )
+# What the root package may hold besides its layer packages: the console script (`harness.cli:main`),
+# `python -m harness`, the pytest plugin and the shipped conformance suite.
+ENTRY_POINTS = ("harness.cli", "harness.__main__", "harness.plugin", "harness.conformance")
 
 
 def module_name(path: Path) -> str:
@@ -36,13 +38,18 @@ MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "_
 
 
 def layer(module: str) -> int:
+    """The index of the innermost layer package holding `module`."""
     best, depth = None, -1
-    for i, prefixes in enumerate(LAYERS):
-        for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > depth:
-                best, depth = i, len(prefix)
+    for i, package in enumerate(LAYERS):
+        if (module == package or module.startswith(package + ".")) and len(package) > depth:
+            best, depth = i, len(package)
     assert best is not None, f"{module} is in no layer: add it to LAYERS"
     return best
+
+
+def in_root(module: str) -> bool:
+    """Whether `module` sits in the root package itself, not in one of its layer packages."""
+    return LAYERS[layer(module)] == "harness"
 
 
 def _runtime_nodes(tree: ast.AST):
@@ -81,11 +88,16 @@ def imports(module: str) -> set[str]:
 GRAPH = {m: imports(m) for m in MODULES}
 
 
-def test_every_module_has_a_layer():
-    for m in MODULES:
-        if MODULES[m].name == "__init__.py" and not GRAPH[m]:
-            continue  # a package's docstring: it imports nothing, so it has no place to keep
-        layer(m)
+def test_every_module_is_in_a_layer_package():
+    """A module outside the layer packages is one of the entry points (or inside the conformance suite)."""
+    loose = [m for m in MODULES if in_root(m) and not any(m == e or m.startswith(e + ".") for e in ENTRY_POINTS)]
+    assert not loose, f"modules in no layer package: {loose}; move each into one, or add its package to LAYERS"
+
+
+def test_every_layer_is_a_package():
+    for package in LAYERS[:-1]:
+        assert package in MODULES, f"{package} is no package of harness"
+    assert set(ENTRY_POINTS) <= set(MODULES), set(ENTRY_POINTS) - set(MODULES)
 
 
 def test_no_import_points_up_a_layer():
@@ -117,10 +129,10 @@ def test_no_import_cycle():
 
 def test_the_cycle_test_sees_cycles(monkeypatch):
     """The walk finds a cycle when there is one (a check that cannot fail is no check)."""
-    monkeypatch.setitem(GRAPH, "harness.errors", {"harness.cli"})
+    monkeypatch.setitem(GRAPH, "harness.base.errors", {"harness.cli"})
     try:
         test_no_import_cycle()
     except AssertionError as e:
-        assert "harness.errors" in str(e)
+        assert "harness.base.errors" in str(e)
     else:
-        raise AssertionError("a cycle through harness.errors went unseen")
+        raise AssertionError("a cycle through harness.base.errors went unseen")

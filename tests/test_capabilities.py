@@ -9,9 +9,9 @@ from cases.benchmarks import PERF_CASES
 from cases.capabilities import fit, needs
 from cases.corpus import CORPUS
 from harness.checks import all_checks
-from harness.engine.explorer import explore, run_corpus
-from harness.engine.runner import Runner
-from harness.perf_gate import benchmark_cases
+from harness.driver.explorer import explore, run_corpus
+from harness.driver.runner import Runner
+from harness.perf.gate import benchmark_cases
 
 LIMITED = "tests.targets.limited"
 

@@ -112,6 +112,6 @@ def test_corpus_entries_name_registered_checks_and_are_unique():
 
 
 def test_corpus_runs_clean_on_the_builtin(harness_runner):
-    from harness.engine.explorer import run_corpus
+    from harness.driver.explorer import run_corpus
 
     assert run_corpus(harness_runner, [1, 2, 4]) == []

@@ -80,8 +80,8 @@ def test_broken_routine_is_reported_shrunk_with_a_working_repro(tmp_path, capsys
 
 
 def test_shrinking_reaches_a_small_case(harness_pools):
-    from harness.engine.explorer import explore
-    from harness.engine.runner import Runner
+    from harness.driver.explorer import explore
+    from harness.driver.runner import Runner
 
     runner = Runner("mutant:missing-allreduce-sumexp", pools=harness_pools)
     findings = explore(runner, "kernel", [2], max_examples=30, seed=1)
@@ -115,20 +115,21 @@ def test_ctrl_c_stops_the_run_and_leaves_no_process():
 def test_an_error_raised_after_an_interrupt_still_ends_as_interrupted(monkeypatch, capsys):
     """Hypothesis, interrupted while it starts its engine, raises AssertionError, not the interrupt."""
     from harness import cli
-    from harness.engine import pool
+    from harness.commands import check
+    from harness.driver import process
 
     def broken(interrupted: bool):
         def command(ns, cfg):
             if interrupted:
-                monkeypatch.setattr(pool, "_interrupted", signal.SIGINT)  # as Ctrl-C's handler records it
+                monkeypatch.setattr(process, "_interrupted", signal.SIGINT)  # as Ctrl-C's handler records it
             raise AssertionError("state._runner is not None")
         return command
 
-    monkeypatch.setattr(cli, "cmd_check", broken(interrupted=True))
+    monkeypatch.setattr(check, "cmd_check", broken(interrupted=True))
     assert cli.main(["check", "--profile", "smoke"]) == 130
     assert "interrupted by SIGINT" in capsys.readouterr().err
-    monkeypatch.setattr(pool, "_interrupted", 0)
-    monkeypatch.setattr(cli, "cmd_check", broken(interrupted=False))
+    monkeypatch.setattr(process, "_interrupted", 0)
+    monkeypatch.setattr(check, "cmd_check", broken(interrupted=False))
     with pytest.raises(AssertionError):  # without an interrupt, an error is an error
         cli.main(["check", "--profile", "smoke"])
 

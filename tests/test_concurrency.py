@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 
 from cases.case import parse_case
-from harness.engine import runner as runner_module
-from harness.engine.pool import WorkerPool
-from harness.engine.runner import Runner
+from harness.driver import runner as runner_module
+from harness.driver.pool import WorkerPool
+from harness.driver.runner import Runner
 
 pytestmark = pytest.mark.distributed
 

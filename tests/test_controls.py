@@ -147,8 +147,8 @@ def test_wrapper_slime_top_p(name):
 def test_the_harness_finds_nothing_on_a_control(name, harness_pools):
     """Zero false findings: the regression corpus and a few randomized cases of each level at TP 1
     and 2, every check. (The `ci` and `thorough` profiles at TP 1, 2, 4: docs/tolerances.md.)"""
-    from harness.engine.explorer import explore, run_corpus
-    from harness.engine.runner import Runner
+    from harness.driver.explorer import explore, run_corpus
+    from harness.driver.runner import Runner
 
     runner = Runner(f"tests.controls.{name}", collective_timeout_s=6, pools=harness_pools)
     findings = run_corpus(runner, [1, 2])

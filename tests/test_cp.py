@@ -6,7 +6,7 @@ import pytest
 
 from cases.case import WrapperCase, parse_case
 from cases.corpus import CORPUS
-from harness.engine.runner import Runner
+from harness.driver.runner import Runner
 
 pytestmark = pytest.mark.distributed
 
@@ -105,7 +105,7 @@ CP_MUTANTS = ("cp-absent-piece-requires-grad", "zigzag-offset-off-by-one", "cp-r
 
 @pytest.mark.slow
 def test_cp_mutants_are_killed_by_the_checks_they_name(harness_pools):
-    from harness.mutate import kill_matrix, run_catalog
+    from harness.commands.mutate import kill_matrix, run_catalog
 
     results = run_catalog(list(CP_MUTANTS), [1, 2, 4], harness_pools, budget=10, collective_timeout_s=6,
                           include_clean=False)

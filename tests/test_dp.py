@@ -6,9 +6,9 @@ import pytest
 
 from cases.case import KernelCase, WrapperCase, parse_case
 from cases.profiles import PROFILES
-from harness.engine.explorer import plan
-from harness.engine.runner import Runner
-from harness.mutate import run_catalog
+from harness.commands.mutate import run_catalog
+from harness.driver.explorer import plan
+from harness.driver.runner import Runner
 
 pytestmark = pytest.mark.distributed
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from cases.case import KernelCase, WrapperCase, parse_case
-from harness.engine import pool as pool_module
-from harness.engine.runner import Runner
-from harness.observations import RankResult
+from harness.driver import pool as pool_module
+from harness.driver import process
+from harness.driver.runner import Runner
+from harness.engine.observations import RankResult
 
 pytestmark = pytest.mark.distributed
 
@@ -77,8 +78,8 @@ def test_idle_gloo_pool_is_stopped_between_jobs_and_costs_nothing(tp2):
 def test_driver_leaves_the_cores_to_its_cpu_ranks(monkeypatch):
     """While a gloo pool runs, the driver computes on one intra-op thread (its idle OpenMP threads
     would spin on the ranks' cores); once no CPU pool is left, its own setting comes back."""
-    monkeypatch.setattr(pool_module, "_LIVE", set())  # the session's pools stay out of this
-    monkeypatch.setattr(pool_module, "_DRIVER_THREADS", None)
+    monkeypatch.setattr(process, "_LIVE", set())  # the session's pools stay out of this
+    monkeypatch.setattr(process, "_DRIVER_THREADS", None)
     own = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -186,7 +187,7 @@ def test_case_results_are_cached_per_runner(harness_runner):
 
 
 def test_closed_pool_leaves_no_process():
-    from harness.engine.pool import WorkerPool
+    from harness.driver.pool import WorkerPool
 
     # A private pool on purpose: this test is about a pool's own shutdown.
     pool = WorkerPool(2)

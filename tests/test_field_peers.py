@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from cases.case import KernelCase, LinearCase, parse_case
-from harness.engine.runner import Runner
+from harness.driver.runner import Runner
 from harness.targets import load_target
 from harness.targets.peers import peers
 from harness.targets.peers._source import PeerSource, RoutineMissing

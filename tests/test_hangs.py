@@ -15,12 +15,12 @@ import pytest
 from cases.case import KernelCase
 from harness import cli
 from harness.checks import Evidence
+from harness.checks.findings import Finding
+from harness.driver.limits import EVERY_CASE_AFTER, RunLimits
+from harness.driver.pool import CASE_FLOOR_S, MIN_MEASURED, WorkerPool
+from harness.driver.runner import Runner
 from harness.engine import stacks
-from harness.engine.limits import EVERY_CASE_AFTER, RunLimits
-from harness.engine.pool import CASE_FLOOR_S, MIN_MEASURED, WorkerPool
-from harness.engine.runner import Runner
-from harness.findings import Finding
-from harness.observations import RankResult
+from harness.engine.observations import RankResult
 from harness.targets import load_target
 
 pytestmark = pytest.mark.distributed

@@ -14,8 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness.cli import UNTESTABLE, main
-from harness.errors import TargetError
+from harness.base.errors import TargetError
+from harness.cli import main
+from harness.commands.repro import UNTESTABLE
 from harness.targets import from_namespace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,7 +186,7 @@ def test_slime_first_fused_commit_is_checked_with_its_capability_inferred(tmp_pa
 
 def test_a_mirror_without_some_blobs_is_exported_without_them(tmp_path):
     """Snapshots leave large files out: the commit's tree is written file by file, those left out."""
-    from harness.history import Git
+    from harness.commands.history import Git
 
     repo = tmp_path / "mirror"
     repo.mkdir()

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from cases.case import parse_case
+from harness.base.errors import UsageError
+from harness.checks.findings import Finding
+from harness.checks.known import load
 from harness.cli import main
-from harness.errors import UsageError
-from harness.findings import Finding
-from harness.known import load
 
 MUTANT = "mutant:coef-ignored"  # entropy differentiable whatever entropy_coef: entropy-coef-rule, wrapper-gradients
 COVERS_IT = '''

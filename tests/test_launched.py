@@ -1,4 +1,4 @@
-"""Under torchrun the launched ranks replace the harness's own pools (harness/engine/torchrun.py).
+"""Under torchrun the launched ranks replace the harness's own pools (harness/driver/torchrun.py).
 
 The torchrun runs below spawn processes of their own: they test the launcher route itself.
 """
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.engine import torchrun as launched
-from harness.errors import LaunchError
+from harness.base.errors import LaunchError
+from harness.driver import torchrun as launched
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node"]  # = torchrun

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.errors import UsageError
+from harness.base.errors import UsageError
 from harness.meters import ledger_build
 
 REPO = Path(__file__).resolve().parents[1]

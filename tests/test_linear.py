@@ -12,12 +12,13 @@ import torch
 import reference
 from cases.case import LinearCase, parse_case
 from cases.strategies import linear_cases
+from harness.base.options import DEFAULT_TARGET
 from harness.checks import all_checks
 from harness.checks.memory import linear_retained_allowance
-from harness.engine.explorer import explore
-from harness.engine.runner import Runner
-from harness.mutate import CLEAN, kill_matrix, run_catalog
-from harness.targets import DEFAULT_TARGET, load_target
+from harness.commands.mutate import CLEAN, kill_matrix, run_catalog
+from harness.driver.explorer import explore
+from harness.driver.runner import Runner
+from harness.targets import load_target
 from harness.targets.mutants import catalog
 
 STUDY = Path(__file__).resolve().parent.parent / "scripts" / "linear_tolerance_study.py"

@@ -15,7 +15,7 @@ from cases.corpus import CORPUS
 from cases.strategies import kernel_cases, linear_cases, wrapper_cases
 from harness.checks import all_checks
 from harness.checks import memory as memory_checks
-from harness.engine.runner import Runner
+from harness.driver.runner import Runner
 from harness.meters import memory
 from harness.targets.mutants import catalog
 

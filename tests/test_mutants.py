@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from harness.checks import all_checks
+from harness.commands.mutate import CLEAN, kill_matrix, run_catalog
 from harness.targets.mutants import catalog
-from harness.mutate import CLEAN, kill_matrix, run_catalog
 
 pytestmark = pytest.mark.distributed
 

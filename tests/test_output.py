@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from cases.case import KernelCase, WrapperCase
+from harness.checks.findings import Finding
 from harness.checks.tolerance import compare
-from harness.cli import finding_blocks
-from harness.engine.explorer import run_corpus
-from harness.engine.runner import Runner
-from harness.findings import Finding
+from harness.driver.explorer import run_corpus
+from harness.driver.runner import Runner
+from harness.report.console import finding_blocks
 
 REPO = Path(__file__).resolve().parents[1]
 

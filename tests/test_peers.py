@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cases.case import KernelCase, LinearCase, WrapperCase, parse_case
-from harness.engine.explorer import strategy_for
-from harness.engine.runner import Runner
-from harness.errors import TargetError
-from harness.known import load as load_known
+from harness.base.errors import TargetError
+from harness.checks.known import load as load_known
+from harness.driver.explorer import strategy_for
+from harness.driver.runner import Runner
 from harness.targets import load_target
 from harness.targets.peers import peers
 
@@ -205,7 +205,7 @@ def test_nemo_rl_declares_what_it_does_not_claim_and_how_to_enable_it() -> None:
     from dataclasses import replace
 
     from cases.capabilities import fit
-    from harness.peer_matrix import _why_not
+    from harness.commands.peers import _why_not
     from harness.targets.peers.nemo_rl import calculate_log_probs_and_entropy, get_log_probs_and_entropy
 
     target = load_target(NEMO_RL)

@@ -1,4 +1,4 @@
-"""The performance gate (harness.meters.timing, harness.perf_gate, harness.engine.callgrind): its statistics, and
+"""The performance gate (harness.perf.timing, harness.perf.gate, harness.perf.callgrind): its statistics, and
 each of its four checks failing on a routine that breaks it while the clean routine passes.
 
 Fast tests use two benchmark cases (TP 1 and TP 2) with the callgrind counter switched off, and
@@ -15,15 +15,15 @@ import sys
 
 import pytest
 
-from cases.case import parse_case
 from cases.benchmarks import PERF_CASES
-from harness import perf_gate as baseline
-from harness.engine import callgrind as instructions
-from harness.engine.perf_jobs import PAIRED_JOB
-from harness.engine.runner import Runner
-from harness.errors import UsageError
-from harness.meters import timing as perf
-from harness.targets import DEFAULT_TARGET
+from cases.case import parse_case
+from harness.base.errors import UsageError
+from harness.base.options import DEFAULT_TARGET
+from harness.driver.runner import Runner
+from harness.perf import callgrind as instructions
+from harness.perf import gate as baseline
+from harness.perf import timing as perf
+from harness.perf.jobs import PAIRED_JOB
 
 FAST_CASES = [PERF_CASES[2], PERF_CASES[4]]  # TP 1 chunked log-prob, TP 2 bf16 log-prob
 SLOW_MUTANT = "mutant:needless-exp-pass"

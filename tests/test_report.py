@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 
 from cases.case import KernelCase, WrapperCase
-from harness.perf_gate import FORMAT as BASELINE_FORMAT
+from harness.cli import main
+from harness.commands import trend
+from harness.driver.runner import Runner
+from harness.perf.gate import FORMAT as BASELINE_FORMAT
 from harness.report import render as report
-from harness.report import trend
 from harness.report import view as report_view
-from harness.cli import main, result_json
-from harness.engine.runner import Runner
+from harness.report.result import result_json
 
 PNG = b"\x89PNG\r\n\x1a\n"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

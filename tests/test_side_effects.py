@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from cases.case import KernelCase, WrapperCase, parse_case
+from harness.commands.mutate import CLEAN, kill_matrix, run_catalog
+from harness.driver.runner import Runner
 from harness.engine import process_state
-from harness.engine.runner import Runner
-from harness.mutate import CLEAN, kill_matrix, run_catalog
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")

@@ -11,8 +11,8 @@ import pytest
 
 from cases import case as case_module
 from cases.case import CASE_TYPES, CONTEXTS, LAYOUTS, LOSS_TERMS, KernelCase, parse_case, valid_values
-from harness.checks import listing
 from harness.cli import main
+from harness.commands import fields as fields_command
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -85,4 +85,4 @@ def test_fields_lists_every_field_and_its_values_per_level(capsys):
 
 def test_the_docs_list_the_fields_as_generated():
     doc = (REPO / "docs" / "check-your-routine.md").read_text()
-    assert listing.fields_markdown() in doc, "regenerate with `python -m harness fields --markdown`"
+    assert fields_command.fields_markdown() in doc, "regenerate with `python -m harness fields --markdown`"

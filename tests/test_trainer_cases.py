@@ -16,9 +16,9 @@ from cases.corpus import CORPUS
 from cases.strategies import DEEP_CHUNKS, DEEP_T, kernel_cases, linear_cases
 from harness.checks import Evidence, all_checks
 from harness.checks.memory import allowance, budget_use
+from harness.commands.mutate import CLEAN, kill_matrix, run_catalog
 from harness.engine.executor import run_on_rank
 from harness.meters import memory
-from harness.mutate import CLEAN, kill_matrix, run_catalog
 from harness.targets import load_target
 
 CPU = torch.device("cpu")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from harness.engine import wire
-from harness.observations import Observation, RankResult, TensorMeta
+from harness.engine.observations import Observation, RankResult, TensorMeta
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> None:

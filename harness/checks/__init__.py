@@ -14,7 +14,7 @@ import torch
 
 from cases.case import AUTOGRAD_OFF, Case
 from harness.checks import oracle, tolerance
-from harness.observations import Observation, RankResult
+from harness.engine.observations import Observation, RankResult
 from harness.targets import Target
 
 
@@ -228,7 +228,7 @@ def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
     return register
 
 
-# The performance gate's checks (`harness.perf_gate`): they compare a run with a saved baseline,
+# The performance gate's checks (`harness.perf.gate`): they compare a run with a saved baseline,
 # not one case with the oracle, so they are not in the registry; findings and known entries name them.
 BASELINE_CHECKS = ("perf-time", "perf-instructions", "perf-collectives", "perf-memory")
 CHECK_MODULES = ("common", "kernel", "memory", "wrapper", "side_effects", "bitwise")  # the order of summaries, JSON and test ids

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from harness.checks import CALL_LEVELS, Evidence, bitwise_diff, check
+from harness.engine.observations import HANG_KINDS, HARNESS_STEP
 from harness.meters.trace import fmt_event
-from harness.observations import HANG_KINDS, HARNESS_STEP
 
 
 def _errors(ev: Evidence) -> list[str]:

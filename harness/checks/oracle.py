@@ -15,8 +15,8 @@ import torch
 
 import reference
 from cases.case import Case, KernelCase, LinearCase, WrapperCase
-from reference.cp import PAD, local_rows, response_positions
 from harness.checks.tolerance import Rows, grad_bound, linear_bounds, value_bounds
+from reference.cp import PAD, local_rows, response_positions
 
 PerSample = list[torch.Tensor]
 

@@ -8,7 +8,7 @@ import torch
 from cases.case import Case, WrapperCase
 from harness.checks import Evidence, check
 from harness.checks.terms import wrapper_terms
-from harness.observations import HARNESS_STEP
+from harness.engine.observations import HARNESS_STEP
 from reference.cp import response_positions
 
 WRAPPER = ("wrapper",)

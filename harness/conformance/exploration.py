@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cases.profiles import Profile
-from harness.engine.explorer import explore, plan, run_corpus
-from harness.engine.limits import RunLimits
-from harness.engine.runner import Runner
-from harness.findings import Finding
+from harness.checks.findings import Finding
+from harness.driver.explorer import explore, plan, run_corpus
+from harness.driver.limits import RunLimits
+from harness.driver.runner import Runner
 
 
 @dataclass(frozen=True)

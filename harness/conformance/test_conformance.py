@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 
 from cases.profiles import PROFILES
+from harness.base.errors import TargetError
 from harness.checks import all_checks
-from harness.cli import finding_blocks
 from harness.conformance.exploration import Family, Outcome, Session, families
-from harness.errors import TargetError
 from harness.plugin import value
+from harness.report.console import finding_blocks
 from harness.targets import load_target
 
 

@@ -1,6 +1,6 @@
 """A rank's view of a case: its vocab shard of the inputs, the upstream loss, and the TP group as
 production code finds it. The one place that slices shards and weighs outputs, for the case jobs
-(`executor`) and the timing and instruction-count jobs (`perf_jobs`) alike."""
+(`executor`) and the timing and instruction-count jobs (`harness.perf.jobs`) alike."""
 from __future__ import annotations
 
 import contextlib

@@ -12,12 +12,24 @@ import torch
 
 import reference
 from cases.case import Case, KernelCase, LinearCase, WrapperCase
-from harness.engine.calls import (KernelShard, LinearShard, cp_local, cp_local_logits, grad_context, group_coordinates,
-                                  laid_out, shard, tokens_laid_out, tp_group, view_of, weighted)
+from harness.engine.calls import (
+    KernelShard,
+    LinearShard,
+    cp_local,
+    cp_local_logits,
+    grad_context,
+    group_coordinates,
+    laid_out,
+    shard,
+    tokens_laid_out,
+    tp_group,
+    view_of,
+    weighted,
+)
+from harness.engine.observations import HARNESS_STEP, KernelPass, Observation, RankResult, TensorMeta
 from harness.engine.process_state import watched, watching
 from harness.meters import trace
 from harness.meters.memory import Meter
-from harness.observations import HARNESS_STEP, KernelPass, Observation, RankResult, TensorMeta
 from harness.targets import Target, load_target
 from reference.cp import response_positions
 

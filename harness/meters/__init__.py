@@ -1,2 +1,3 @@
-"""Instruments, with no knowledge of cases or targets: the per-rank collective trace, the memory
-meter (bytes allocated, saved and freed by one call), and the clocks and statistics of timing."""
+"""Instruments, with no knowledge of cases or targets: the per-rank collective trace and the memory
+meter (bytes allocated, saved and freed by one call). The clocks of timing are the performance
+gate's (`harness.perf.timing`)."""

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness.errors import HarnessError, UsageError
+from harness.base.errors import HarnessError, UsageError
 
 ENV = "HARNESS_LEDGER"
 CHOICES = ("cpp", "python")

@@ -1,2 +1,3 @@
-"""What people read: `render` writes the HTML and markdown reports of a run's result JSON, `view`
-computes what they show, `plots` draws it, `trend` plots saved baselines over time."""
+"""What people read: `console` is what `check` prints, `result` the result JSON it writes, `render`
+the HTML and markdown reports of that JSON, `view` computes what they show, `plots` draws it,
+`matrix` writes the conformance matrix of several targets."""

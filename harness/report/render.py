@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from cases.case import Case, KernelCase
+from harness.base import extras
 from harness.checks import Evidence
+from harness.checks.findings import Finding
 from harness.checks.memory import budget_use
-from harness.engine.runner import Runner
-from harness.findings import Finding
-from harness import extras
+from harness.driver.runner import Runner
 from harness.meters import memory
 from harness.report import view as report_view
 

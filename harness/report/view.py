@@ -9,7 +9,7 @@ import math
 import re
 from typing import Any
 
-from harness.findings import reading_order
+from harness.checks.findings import reading_order
 
 LEVELS = ("kernel", "wrapper", "linear")
 NEAR = 0.5  # error/tolerance above this is close enough to the line to be worth a look

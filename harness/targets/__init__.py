@@ -41,12 +41,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-from harness.errors import TargetError
+from harness.base.errors import TargetError
 
 KERNEL = "calculate_log_probs_and_entropy"
 WRAPPER = "get_log_probs_and_entropy"
 LINEAR = "calculate_linear_log_probs_and_entropy"
-DEFAULT_TARGET = "harness.targets.fused"
 
 
 @dataclass

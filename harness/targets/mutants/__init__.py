@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable
 
-from harness.errors import TargetError
+from harness.base.errors import TargetError
 from harness.targets import KERNEL, LINEAR, WRAPPER, fused
 from harness.targets.fused import FusedLogProbEntropy
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from harness.targets.mutants import mutant
 from harness.targets.fused import FusedLogProbEntropy as Fused
+from harness.targets.mutants import mutant
 
 
 @mutant("reads-as-row-major", "a kernel that reads non-contiguous logits as row-major",

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from harness.targets.mutants import mutant
 from harness.targets.fused import FusedLogProbEntropy as Fused
+from harness.targets.mutants import mutant
 
 TP_ONLY = (2, 4)  # a collective or sharding defect is invisible on a single rank
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from harness.targets.mutants import mutant
 from harness.targets.fused import FusedLogProbEntropy as Fused
+from harness.targets.mutants import mutant
 
 
 @mutant("metric-only-entropy-retained", "entropy tensors retained when metric-only", ("memory-metric-only",),

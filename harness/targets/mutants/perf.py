@@ -1,11 +1,11 @@
 """Performance defects: right values, more work. Only a comparison with the clean routine's baseline
-(`harness.perf_gate`) can see them, so each is registered with `needs_baseline=True`."""
+(`harness.perf.gate`) can see them, so each is registered with `needs_baseline=True`."""
 from __future__ import annotations
 
 import torch
 
-from harness.targets.mutants import mutant
 from harness.targets.fused import FusedLogProbEntropy as Fused
+from harness.targets.mutants import mutant
 
 
 @mutant("needless-exp-pass", "one needless full-size pass (about 20% slower)",

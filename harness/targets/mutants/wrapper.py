@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from harness.targets.mutants import mutant
 from harness.targets.fused import FusedLogProbEntropy as Fused
+from harness.targets.mutants import mutant
 
 
 @mutant("coef-ignored", "wrapper ignores entropy_coef", ("entropy-coef-rule",),

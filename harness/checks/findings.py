@@ -17,7 +17,7 @@ class Finding:
     repro: str
     ranks: list[int] = field(default_factory=list)
     shrunk: bool = False
-    known: str = ""  # the known-findings entry it matched (harness.known), "" for a new finding
+    known: str = ""  # the known-findings entry it matched (harness.checks.known), "" for a new finding
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

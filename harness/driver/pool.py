@@ -5,7 +5,9 @@ timeout, and initialises megatron-core's `parallel_state` with the pool's TP and
 find their groups where production code looks. A pool's world is TP x CP x DP, megatron-core's order
 (TP fastest): world rank g is TP rank g % TP of CP rank (g // TP) % CP of DP replica g // (TP x CP). The main
 process sends each job to every rank and waits with a deadline; a rank that dies or does not
-answer becomes an error result naming it, and the pool is torn down and rebuilt.
+answer becomes an error result naming it, and the pool is torn down and rebuilt. What each worker
+runs is the rank loop (`harness.engine.rank`); what the driver process holds for all its pools (the
+live pools, the parking thread, the interrupting signal) is `harness.driver.process`.
 
 Stuck ranks are found by evidence, not by waiting for the collective timeout: every worker
 publishes its collective progress to a shared `ProgressBoard`; once every rank still running is
@@ -16,7 +18,7 @@ deadline scales the same way (`case_deadline`); the gloo/NCCL timeout stays as t
 Workers die with the main process (PR_SET_PDEATHSIG) and are terminated at exit, so no process
 outlives the run.
 
-A gloo pool is stopped (SIGSTOP) once idle (`IDLE_PARK_S`) and continued when the next job is sent. An idle
+A gloo pool is stopped (SIGSTOP) once idle (`process.IDLE_PARK_S`) and continued when the next job is sent. An idle
 gloo rank is not idle: every process group megatron-core makes (about 18 per rank) has a TCP loop
 thread that wakes 100 times a second, so a test session holding 70 idle ranks made 120,000 wakeups
 a second and ran a 2-core machine at load 150-200, four times slower than its own work. NCCL pools
@@ -24,35 +26,29 @@ are left running: their watchdog would take a stop for a hang.
 """
 from __future__ import annotations
 
-import atexit
-import ctypes
-import importlib
 import os
 import shutil
 import signal
 import statistics
-import sys
 import tempfile
 import threading
 import time
-import traceback
 import warnings
 from collections import deque
-from dataclasses import dataclass
-from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
-import torch
 import torch.multiprocessing as mp
 
+from harness.base.errors import PoolStartError
+from harness.base.options import COLLECTIVE_TIMEOUT_S
+from harness.driver import process
 from harness.engine import stacks, wire
+from harness.engine.observations import HANG_KINDS, RankResult
 from harness.engine.progress import ProgressBoard
+from harness.engine.rank import _worker_main, coordinates
 from harness.meters import memory
-from harness.errors import PoolStartError
 from harness.meters.trace import fmt_event
-from harness.observations import HANG_KINDS, RankResult
-from harness.options import COLLECTIVE_TIMEOUT_S
 
 STARTUP_TIMEOUT_S = 120.0
 RAISED_GRACE_S = 2.0
@@ -64,9 +60,6 @@ STUCK_COST_FACTOR = 20
 ALL_BLOCKED_FLOOR_S = 3.0
 ALL_BLOCKED_COST_FACTOR = 50
 POLL_S = 0.05
-# A gloo pool is stopped once it has had no job for this long: not after every job, since stopping
-# and continuing costs 0.5 ms a job at TP 2 and 1.2 ms at TP 4, and a case's runs come back to back.
-IDLE_PARK_S = 0.2
 # Case deadline once the pool has measured MIN_MEASURED jobs: max(CASE_FLOOR_S, CASE_COST_FACTOR x
 # the median), never above the backstop (twice the collective timeout plus 10 s).
 MIN_MEASURED = 3
@@ -76,95 +69,6 @@ CASE_COST_FACTOR = 100
 # compiled routine compiles again for each new dtype, grad mode or size specialisation, on every
 # rank at once: tens of seconds on a small, loaded machine), when no case timeout is set.
 COMPILE_BOUND_S = 300.0
-
-
-@dataclass(frozen=True)
-class RankContext:
-    rank: int  # the rank in the pool's world
-    world: int
-    device: torch.device
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
-def resolve(path: str) -> Any:
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def _reply(conn: Connection, obj: Any) -> None:
-    """Send a reply to the driver by value (`wire`)."""
-    conn.send_bytes(wire.dumps(obj))
-
-
-def coordinates(rank: int, tp: int, cp: int) -> tuple[int, int, int]:
-    """(TP rank, CP rank, DP replica) of world rank `rank` in megatron-core's default order."""
-    return rank % tp, (rank // tp) % cp, rank // (tp * cp)
-
-
-def _worker_main(rank: int, world: int, store_dir: str, conn: Connection, backend: str,
-                 timeout_s: float, parent_pid: int, tp: int, board: ProgressBoard, cp: int = 1) -> None:
-    _die_with_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process owns shutdown
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the driver's handler, inherited by fork
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    from harness.meters import trace
-
-    trace.install()  # before any target import, so early-bound names are traced too
-    board.attach(rank)
-    stack_fh = stacks.install(store_dir, rank)  # noqa: F841 (kept open: faulthandler writes to it)
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    try:
-        dist.init_process_group(backend, init_method=f"file://{store_dir}/store", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
-        from megatron.core import parallel_state
-
-        # megatron-core gives its groups their own timeout (30 minutes by default): pass ours on,
-        # or a collective on the TP group could outwait every deadline. (It annotates the minutes as
-        # an int, but takes timedelta(minutes=...) of them: a fraction is kept.)
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, context_parallel_size=cp,
-            distributed_timeout_minutes=timeout_s / 60.0,  # pyright: ignore[reportArgumentType]
-            create_gloo_process_groups=False)
-        coords = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_context_parallel_rank(),
-                  parallel_state.get_data_parallel_rank())
-        if coords != coordinates(rank, tp, cp):  # the layout the driver assumes to name ranks
-            raise RuntimeError(f"rank {rank}: megatron-core placed it at (TP rank, CP rank, DP rank) {coords}, "
-                               f"expected {coordinates(rank, tp, cp)}")
-    except Exception:
-        _reply(conn, ("failed", traceback.format_exc(limit=4)))
-        return
-    ctx = RankContext(rank, world, device)
-    _reply(conn, ("ready", rank))
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            break
-        if msg is None:
-            break
-        fn_path, args = msg
-        try:
-            reply = resolve(fn_path)(ctx, *args)
-        except Exception as e:  # a job function failing is reported, never fatal to the worker
-            reply = RankResult.from_exception(rank, e)
-        _reply(conn, reply)
-    try:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-    except Exception:
-        pass
 
 
 class WorkerPool:
@@ -235,7 +139,7 @@ class WorkerPool:
                 warnings.simplefilter("ignore")
                 import megatron.core.parallel_state  # noqa: F401
         if self.backend == "gloo":
-            _leave_cores_to_ranks()
+            process._leave_cores_to_ranks()
         # Built (or loaded from torch's extension cache) here, once: not by every rank at once.
         memory.compiled_ledger()
         ctx = mp.get_context(self.start_method)
@@ -253,7 +157,7 @@ class WorkerPool:
             child.close()
             self.procs.append(p)
             self.conns.append(parent)
-        _LIVE.add(self)
+        process._LIVE.add(self)
         replies = self._gather(time.monotonic() + STARTUP_TIMEOUT_S, watch=False)
         bad = [f"rank {r}: {m.error}" for r, m in enumerate(replies) if isinstance(m, RankResult) and m.error]
         bad += [f"rank {r}: {m[1]}" for r, m in enumerate(replies) if isinstance(m, tuple) and m[0] != "ready"]
@@ -261,7 +165,7 @@ class WorkerPool:
             self.close()
             size = f"TP {self.tp}" + (f" x CP {self.cp}" if self.cp > 1 else "") + (f" x DP {self.dp}" if self.dp > 1 else "")
             raise PoolStartError(f"{size} pool failed to start: " + "; ".join(bad))
-        with _PARKING:
+        with process._PARKING:
             self.park()
 
     def _result(self, r: int, error: str, kind: str, trace: list | None = None) -> RankResult:
@@ -390,9 +294,9 @@ class WorkerPool:
     def submit(self, fn_path: str, args_per_rank: list[tuple], deadline_s: float) -> None:
         """Send a job to every rank and return at once; `collect` gathers it. Between the two the
         driver may submit to other pools: they work at the same time."""
-        if _interrupted:
+        if process._interrupted:
             raise KeyboardInterrupt  # the first one was swallowed (e.g. raised inside a finalizer)
-        with _PARKING:
+        with process._PARKING:
             self.idle_since = None
             self.wake()
         if self.board is not None:
@@ -417,12 +321,12 @@ class WorkerPool:
 
     def _idle(self) -> None:
         """From now on the parking thread may stop it (`_park_idle_pools`)."""
-        global _parker
-        with _PARKING:
+        with process._PARKING:
             self.idle_since = time.monotonic()
-            if _parker is None and self.backend == "gloo":
-                _parker = threading.Thread(target=_park_idle_pools, name="harness-pool-parking", daemon=True)
-                _parker.start()
+            if process._parker is None and self.backend == "gloo":
+                process._parker = threading.Thread(target=process._park_idle_pools, name="harness-pool-parking",
+                                                   daemon=True)
+                process._parker.start()
 
     def park(self) -> None:
         """Stop every rank until the next job (gloo only: see the module's notes). Only between
@@ -456,7 +360,7 @@ class WorkerPool:
 
     def close(self, grace_s: float = 2.0) -> None:
         """Ask every rank to exit, wait up to `grace_s` for them to, then kill the rest."""
-        with _PARKING:
+        with process._PARKING:
             self.idle_since = None
             self.wake()
         for conn in self.conns:
@@ -477,54 +381,11 @@ class WorkerPool:
         if self.store_dir:
             shutil.rmtree(self.store_dir, ignore_errors=True)
             self.store_dir = None
-        _LIVE.discard(self)
-        if not any(pool.backend == "gloo" for pool in _LIVE):
-            _restore_driver_threads()
+        process._LIVE.discard(self)
+        if not any(pool.backend == "gloo" for pool in process._LIVE):
+            process._restore_driver_threads()
 
 
-_LIVE: set[WorkerPool] = set()
-# Parking and waking happen under one lock, so a pool is never stopped between a job's wake and its send.
-_PARKING = threading.Lock()
-_parker: threading.Thread | None = None  # the parking thread, while a gloo pool lives
-
-
-def _park_idle_pools() -> None:
-    """One thread for every pool (not a timer per job: a case's runs would start a thread each):
-    every half IDLE_PARK_S it stops the gloo pools that have had no job for IDLE_PARK_S, and it
-    ends once no pool is left."""
-    global _parker
-    while True:
-        time.sleep(IDLE_PARK_S / 2)
-        with _PARKING:
-            pools = list(_LIVE)  # one C call: atomic while close() discards from another thread
-            if not pools:
-                _parker = None
-                return
-            now = time.monotonic()
-            for pool in pools:
-                if pool.idle_since is not None and now - pool.idle_since >= IDLE_PARK_S and pool.procs:
-                    pool.park()
-
-
-_DRIVER_THREADS: int | None = None  # the driver's intra-op threads before its first CPU pool started
-
-
-def _leave_cores_to_ranks() -> None:
-    """While CPU ranks run, the driver computes (oracle, checks, unpickling) on one intra-op thread.
-    With more, its small float64 ops go parallel and the idle OpenMP thread spins between them,
-    taking a core from the ranks: on 2 cores the driver used 2.2 CPU-s for 100 TP 2 cases instead
-    of 0.9, and the ranks ran that much slower (docs/performance.md)."""
-    global _DRIVER_THREADS
-    if _DRIVER_THREADS is None:
-        _DRIVER_THREADS = torch.get_num_threads()
-        torch.set_num_threads(1)
-
-
-def _restore_driver_threads() -> None:
-    global _DRIVER_THREADS
-    if _DRIVER_THREADS is not None:
-        torch.set_num_threads(_DRIVER_THREADS)
-        _DRIVER_THREADS = None
 
 
 def meanwhile(work: Callable[[], Any] | None) -> None:
@@ -535,44 +396,3 @@ def meanwhile(work: Callable[[], Any] | None) -> None:
             work()
         except Exception:
             pass
-
-
-@atexit.register
-def close_all() -> None:
-    for pool in list(_LIVE):
-        pool.close()
-
-
-_interrupted = 0  # the signal that interrupted the run; 0: none
-
-
-def on_sigint(signum: int, frame: Any) -> None:
-    """Ctrl-C, or SIGTERM (a CI runner cancelling): raise KeyboardInterrupt now, and again at the
-    next job should this one be swallowed. Both end the run the same way; `interrupted_by` says which."""
-    global _interrupted
-    _interrupted = signum
-    raise KeyboardInterrupt
-
-
-def interrupted_by() -> int:
-    return _interrupted
-
-
-def install_signal_handlers() -> None:
-    """In the main thread of the driver: SIGINT and SIGTERM stop the run and its pools (even when
-    started with SIGINT ignored, as background jobs of a non-interactive shell are)."""
-    signal.signal(signal.SIGINT, on_sigint)
-    signal.signal(signal.SIGTERM, on_sigint)
-    sys.unraisablehook = _quiet_when_interrupted
-
-
-def _quiet_when_interrupted(unraisable: Any, default: Any = sys.unraisablehook) -> None:
-    """A KeyboardInterrupt raised inside a finalizer or a gc callback is swallowed by Python with an
-    "Exception ignored" traceback; the next job raises it again, so the traceback is noise."""
-    if _interrupted and isinstance(unraisable.exc_value, KeyboardInterrupt):
-        return
-    default(unraisable)
-
-
-if hasattr(signal, "SIGTERM") and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-    signal.signal(signal.SIGTERM, on_sigint)  # unwinds through the finally blocks and atexit, which close the pools

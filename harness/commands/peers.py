@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import extras, options
+from harness.base import extras, options
 from harness.report import matrix
 from harness.targets.peers import Peer, peers
 

@@ -31,13 +31,14 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
-from harness.engine.pool import RankContext, WorkerPool, resolve
-from harness.errors import LaunchError
+from harness.base.errors import LaunchError
+from harness.driver.pool import WorkerPool
+from harness.engine.observations import RankResult
+from harness.engine.rank import RankContext, resolve
 from harness.meters import trace
-from harness.observations import RankResult
 
 if TYPE_CHECKING:
-    from harness.options import RunConfig
+    from harness.base.options import RunConfig
 
 LAUNCH_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
 # Serving ranks wait on the control group while the driver evaluates, shrinks and reports.

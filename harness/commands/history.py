@@ -24,13 +24,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import extras, options
+from harness.base import extras, options
+from harness.base.errors import UsageError
 from harness.checks import all_checks
-from harness.errors import UsageError
 from harness.report import matrix
 from harness.report.render import environment
 
-HARNESS_ROOT = Path(__file__).resolve().parent.parent  # what the checking processes import the harness from
+HARNESS_ROOT = Path(__file__).resolve().parents[2]  # what the checking processes import the harness from
 STOP_GRACE_S = 15  # after SIGTERM, how long a timed-out check may take to write what it found
 
 

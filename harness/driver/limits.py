@@ -18,8 +18,8 @@ from collections import Counter
 
 from cases.case import Case
 from harness.checks import Evidence
-from harness.findings import Finding
-from harness.observations import HANG_KINDS
+from harness.checks.findings import Finding
+from harness.engine.observations import HANG_KINDS
 
 EVERY_CASE_AFTER = 3
 # Shrinking a hang: at most this many seconds of hung cases, or this many hung cases, after the

@@ -24,9 +24,9 @@ else:  # the same parser, before it joined the standard library (installed on 3.
     import tomli as tomllib  # pyright: ignore[reportMissingImports]
 
 from cases.case import CASE_TYPES, fmt_field, parse_case, valid_values
+from harness.base.errors import UsageError
 from harness.checks import BASELINE_CHECKS, all_checks
-from harness.errors import UsageError
-from harness.findings import Finding
+from harness.checks.findings import Finding
 
 ENTRY_KEYS = {"check", "where", "reason", "link"}
 

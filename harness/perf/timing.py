@@ -1,5 +1,5 @@
 """Clocks and statistics of the performance gate (docs/performance.md); the rank-side jobs that use
-them are `engine.perf_jobs`, the benchmark cases `cases.benchmarks`.
+them are `perf.jobs`, the benchmark cases `cases.benchmarks`.
 
 Timing is paired: the old and the new routine run alternately in one worker process, in a seeded
 random order inside each pair, so drift of the machine (other jobs, frequency, caches) hits both
@@ -21,7 +21,6 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-
 
 WARMUP_CALLS = 3
 PAIRS = 60  # pairs per round: with 30, one 10% slowdown in ten was missed here (docs/performance.md)

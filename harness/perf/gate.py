@@ -31,14 +31,13 @@ from typing import Any, Callable, cast
 from cases.benchmarks import PERF_CASES
 from cases.capabilities import needs
 from cases.case import KernelCase, parse_case
-from harness.engine import callgrind
-from harness.engine.perf_jobs import PAIRED_JOB, TIME_JOB
-from harness.engine.runner import Runner
-from harness.errors import InstructionCountError, TargetError, UsageError
-from harness.findings import Finding
-from harness.meters import timing
+from harness.base.errors import InstructionCountError, TargetError, UsageError
+from harness.checks.findings import Finding
+from harness.driver.runner import Runner
+from harness.engine.observations import RankResult
 from harness.meters.memory import figures_of, ledger_name
-from harness.observations import RankResult
+from harness.perf import callgrind, timing
+from harness.perf.jobs import PAIRED_JOB, TIME_JOB
 from harness.targets import Target, load_target
 
 FORMAT = "harness-baseline/1"

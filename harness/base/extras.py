@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from harness.errors import UsageError
+from harness.base.errors import UsageError
 
 # extra -> the distributions it installs (as pyproject.toml lists them)
 EXTRAS = {"report": ("matplotlib", "jinja2"), "bench": ("pytest-benchmark",)}

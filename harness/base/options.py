@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from cases.profiles import DEFAULT_PROFILE, PROFILES
-from harness.errors import UsageError
-from harness.targets import DEFAULT_TARGET
+from harness.base.errors import UsageError
+
+DEFAULT_TARGET = "harness.targets.fused"  # the built-in routine (a module path, as --target takes)
 
 COLLECTIVE_TIMEOUT_S = 20.0  # the gloo/NCCL timeout's default, for every front end and pool
 

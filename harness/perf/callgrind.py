@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from cases.case import KernelCase, parse_case
-from harness.errors import InstructionCountError
+from harness.base.errors import InstructionCountError
 
 MARKER = "_PyEval_CallTracing"  # the C function behind sys.call_tracing: called by nothing else we run
 WARMUP_CALLS = 3  # lazy initialisation and Python's specializing interpreter settle before counting
@@ -58,7 +58,7 @@ def count(target_spec: str, cases: list[KernelCase]) -> dict[str, Any]:
         job = json.dumps({"target": target_spec, "cases": [c.spec() for c in cases]})
         cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
                f"--toggle-collect={MARKER}", f"--dump-after={MARKER}", f"--callgrind-out-file={out}",
-               sys.executable, "-m", "harness.engine.callgrind", job]
+               sys.executable, "-m", "harness.perf.callgrind", job]
         # A fixed environment: its size moves the stack, and with it the alignment of buffers, so
         # the caller's variables would change the count by a few thousand instructions.
         env = {k: os.environ[k] for k in KEPT_ENV if k in os.environ}

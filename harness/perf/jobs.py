@@ -1,5 +1,5 @@
 """Rank-side timing jobs of the performance gate, run on a case's pool with `pool.run(JOB, ...)`.
-The clocks and statistics are `meters.timing`'s; the call timed is `calls.prepared_call`."""
+The clocks and statistics are `perf.timing`'s; the call timed is `calls.prepared_call`."""
 from __future__ import annotations
 
 import gc
@@ -8,12 +8,12 @@ from typing import Any, Callable
 
 from cases.case import KernelCase
 from harness.engine.calls import prepared_call, tp_group
-from harness.meters.timing import BLOCK, PAIRS, REPEATS, WARMUP_CALLS, Timer, steady_allocator, with_overhead
+from harness.perf.timing import BLOCK, PAIRS, REPEATS, WARMUP_CALLS, Timer, steady_allocator, with_overhead
 from harness.targets import load_target
 
-TIME_JOB = "harness.engine.perf_jobs:time_job"
-PAIRED_JOB = "harness.engine.perf_jobs:paired_job"
-CALL_JOB = "harness.engine.perf_jobs:call_job"
+TIME_JOB = "harness.perf.jobs:time_job"
+PAIRED_JOB = "harness.perf.jobs:paired_job"
+CALL_JOB = "harness.perf.jobs:call_job"
 
 
 def time_job(ctx: Any, case: KernelCase, spec: str, repeats: int = REPEATS, clock: str = "cpu") -> list[float]:

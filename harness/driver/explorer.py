@@ -16,14 +16,14 @@ from hypothesis import given
 from hypothesis import seed as hyp_seed
 from hypothesis import strategies as st
 
+from cases.case import Case
 from cases.corpus import CORPUS
 from cases.profiles import Profile, explore_settings
-from cases.case import Case
 from cases.strategies import LEVEL_STRATEGIES
-from harness.engine import torchrun
-from harness.engine.limits import HANG_SHRINK_BUDGET_S, HANG_SHRINK_MAX_CASES, RunLimits, hung
-from harness.engine.runner import Runner
-from harness.findings import Finding
+from harness.checks.findings import Finding
+from harness.driver import torchrun
+from harness.driver.limits import HANG_SHRINK_BUDGET_S, HANG_SHRINK_MAX_CASES, RunLimits, hung
+from harness.driver.runner import Runner
 
 
 class _Stop(Exception):

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness import extras
-from harness.errors import UsageError
-from harness.perf_gate import FORMAT as BASELINE_FORMAT
+from harness.base import extras
+from harness.base.errors import UsageError
+from harness.perf.gate import FORMAT as BASELINE_FORMAT
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

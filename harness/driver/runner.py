@@ -12,15 +12,16 @@ from typing import Any, Callable, cast
 
 from cases.capabilities import fit
 from cases.case import Case, parse_case
+from harness.base.errors import LaunchError, TargetError
+from harness.base.options import COLLECTIVE_TIMEOUT_S, RunConfig
 from harness.checks import Check, Evidence, all_checks, oracle
-from harness.engine import torchrun
+from harness.checks.findings import Finding, repro_command
+from harness.checks.known import KnownFindings
+from harness.checks.known import load as load_known
+from harness.driver import torchrun
+from harness.driver.pool import COMPILE_BOUND_S, STARTUP_TIMEOUT_S, WorkerPool, meanwhile
 from harness.engine.executor import CASE_JOB
-from harness.engine.pool import COMPILE_BOUND_S, STARTUP_TIMEOUT_S, WorkerPool, meanwhile
-from harness.errors import LaunchError, TargetError
-from harness.findings import Finding, repro_command
-from harness.known import KnownFindings, load as load_known
-from harness.observations import RankResult
-from harness.options import COLLECTIVE_TIMEOUT_S, RunConfig
+from harness.engine.observations import RankResult
 from harness.targets import Target, load_target, repro_env
 
 CACHE_SIZE = 4096

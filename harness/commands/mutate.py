@@ -13,15 +13,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cases.benchmarks import PERF_CASES
-from harness import options, perf_gate
+from harness.base import options
+from harness.base.errors import UsageError
+from harness.base.options import DEFAULT_TARGET, RunConfig
 from harness.checks import all_checks
-from harness.engine.explorer import explore, run_corpus
-from harness.engine.pool import WorkerPool
-from harness.engine.runner import Runner
-from harness.errors import UsageError
-from harness.findings import Finding
-from harness.options import RunConfig
-from harness.targets import DEFAULT_TARGET
+from harness.checks.findings import Finding
+from harness.driver.explorer import explore, run_corpus
+from harness.driver.pool import WorkerPool
+from harness.driver.runner import Runner
+from harness.perf import gate as perf_gate
 from harness.targets.mutants import Mutant, catalog
 
 CLEAN = "clean"

@@ -1,0 +1,1 @@
+"""The subcommands of `python -m harness`, one module each; each has `register(subparsers)`."""

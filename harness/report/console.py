@@ -1,0 +1,93 @@
+"""What `check` prints of a run: the summary table (per check and level, cases checked and failed,
+the largest error over tolerance), the findings check by check with the shrunk one first, the
+bitwise property sheet and the known findings. The JSON of the same run is `report.result`'s."""
+from __future__ import annotations
+
+from harness.checks.findings import FOLDED, SHRUNK, START, Finding, reading_order
+from harness.driver.runner import Runner
+
+
+def summary_table(runner: Runner, findings: list[Finding]) -> str:
+    levels = list(runner.target.levels)
+    rows = [("check", *[f"{lvl} (checked/failed)" for lvl in levels], "max err/tol", "not applied")]
+    notes: list[str] = []
+    for name in runner.checks:
+        cells, margin, skipped = [], 0.0, 0
+        for lvl in levels:
+            st = runner.stats.get((name, lvl))
+            cells.append("-" if st is None else f"{st.applied}/{st.failed}" + (f" (+{st.known} known)" if st.known else ""))
+            if st and st.margins:
+                margin = max(margin, max(st.margins))
+            for note, n in sorted((st.not_applied if st else {}).items()):
+                skipped += n
+                notes.append(f"  {name} ({lvl}), {n} case(s): {note}")
+        if all(c == "-" for c in cells):
+            continue
+        rows.append((name, *cells, f"{margin:.3f}" if margin else "-", str(skipped) if skipped else "-"))
+    lines = _table(rows)
+    if notes:
+        lines += ["", "checks not applied to some cases, and why:", *notes]
+    return "\n".join(lines)
+
+
+FOLDED_SHOWN = 8  # a check's other findings listed, one line each, under its shrunk one
+
+
+def finding_blocks(findings: list[Finding], json_file: str | None = None) -> list[str]:
+    """What the run prints of its findings, in `reading_order`: each check's leading findings in
+    full, the run's first shrunk one labelled as the one to start from; the check's other findings
+    folded under them, one line each. The JSON keeps every finding in full."""
+    blocks: list[str] = []
+    folded: list[Finding] = []
+
+    def fold() -> None:
+        if folded:
+            where = f"in full in {json_file}" if json_file else "in full with --json FILE"
+            lines = [f"    {f.case}" for f in folded[:FOLDED_SHOWN]]
+            if len(folded) > FOLDED_SHOWN:
+                lines.append(f"    ... and {len(folded) - FOLDED_SHOWN} more")
+            blocks.append(f"  and {len(folded)} more [{folded[0].check}] finding(s) on other cases ({where}):\n"
+                          + "\n".join(lines))
+            folded.clear()
+
+    for i, role in reading_order([(f.check, f.shrunk) for f in findings]):
+        f = findings[i]
+        if role == FOLDED:
+            folded.append(f)
+            continue
+        fold()
+        label = {START: " shrunk, start from this one:", SHRUNK: " shrunk:"}.get(role, "")
+        message = f.message[:1500].replace("\n", "\n  ")
+        blocks.append(f"\nFINDING [{f.check}] ({f.level}){label} {f.case}\n  {message}\n  repro: {f.repro}")
+    fold()
+    return blocks
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def bitwise_table(runner: Runner) -> str:
+    """The bitwise property sheet: per configuration, in how many cases each property held."""
+    names = [n for n, c in runner.checks.items() if c.family == "bitwise"]
+    rows = [("configuration", *names)]
+    for config in sorted(runner.properties):
+        got = runner.properties[config]
+        rows.append((config, *[("-" if n not in got else f"{'holds' if got[n][0] == got[n][1] else 'FAILS'} "
+                                f"{got[n][1]}/{got[n][0]}") for n in names]))
+    return "\n".join(["bitwise properties (cases where it held / cases checked):", *_table(rows),
+                      "TP invariance is not a bitwise property: another TP size changes the reduction tree "
+                      "(docs/bitwise.md); tp-invariance holds it to the float32 tolerance."])
+
+
+def known_summary(runner: Runner) -> str:
+    lines = []
+    for e in runner.known.entries:
+        if e.matched:
+            lines.append(f"KNOWN {e.describe()}: {e.matched} finding(s)" + (f" ({e.link})" if e.link else ""))
+    for e in runner.known.stale:
+        lines.append(f"STALE known entry, matched nothing in this run: {e.describe()}")
+    return "\n".join(lines)
