@@ -55,5 +55,6 @@ def explore_settings(max_examples: int, shrink: bool) -> "settings":
     from hypothesis import HealthCheck, Phase, Verbosity, settings
 
     phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if shrink else [])
-    return settings(settings.get_profile("default"), max_examples=max_examples, derandomize=False, database=None, verbosity=Verbosity.quiet, phases=phases, deadline=None,
-                    print_blob=False, report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
+    return settings(settings.get_profile("default"), max_examples=max_examples, derandomize=False, database=None,
+                    verbosity=Verbosity.quiet, phases=phases, deadline=None, print_blob=False,
+                    report_multiple_bugs=False, suppress_health_check=list(HealthCheck.__members__.values()))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Any
 
 import pytest
 
@@ -23,6 +24,16 @@ NAMES = ("target", "tp", "cp", "device", "collective_timeout", "case_timeout", "
          "strict_known", "bitwise")
 FIXTURES = ("harness_runner", "harness_pools")
 LAUNCH_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK")  # as `torchrun.active` reads them (no torch import here)
+
+# The session's state, in pytest's stash on its Config.
+LAUNCHED = pytest.StashKey[Any]()  # the torchrun world rank 0 drives
+EXITSTATUS = pytest.StashKey[int]()
+KNOWN_RUNNER = pytest.StashKey[Any]()  # the runner whose known findings the summary lists
+
+
+def launched(config: pytest.Config) -> Any:
+    """The torchrun-launched world this session drives, or None (the harness's own pools)."""
+    return config.stash.get(LAUNCHED, None)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -63,7 +74,7 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
         return pytest.ExitCode.USAGE_ERROR  # rank 0 says why
     if torchrun.rank() != 0:
         return world.serve()
-    config.harness_launched = world
+    config.stash[LAUNCHED] = world
     return None
 
 
@@ -112,14 +123,14 @@ def pytest_report_collectionfinish(config: pytest.Config, items: list[pytest.Ite
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    runner = getattr(session.config, "harness_known_runner", None)
+    runner = session.config.stash.get(KNOWN_RUNNER, None)
     if runner is not None and value(session.config, "strict_known") and runner.known.stale and exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED  # strict: a stale known entry fails the run
-    session.config.harness_exitstatus = int(session.exitstatus)
+    session.config.stash[EXITSTATUS] = int(session.exitstatus)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    runner = getattr(config, "harness_known_runner", None)
+    runner = config.stash.get(KNOWN_RUNNER, None)
     if runner is None:
         return
     terminalreporter.section("harness known findings")
@@ -129,9 +140,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    world = getattr(config, "harness_launched", None)
+    world = launched(config)
     if world is not None:  # release the serving ranks with this session's exit code
-        world.stop(getattr(config, "harness_exitstatus", pytest.ExitCode.INTERNAL_ERROR))
+        world.stop(config.stash.get(EXITSTATUS, pytest.ExitCode.INTERNAL_ERROR))
 
 
 @pytest.fixture(scope="session")
@@ -143,7 +154,8 @@ def harness_pools(request: pytest.FixtureRequest):
     # The memory ledger's first build, where it happens, says so on the terminal (not in a capture).
     capture = request.config.pluginmanager.getplugin("capturemanager")
     try:
-        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        # getplugin() is typed as any plugin; this one is pytest's CaptureManager.
+        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():  # pyright: ignore[reportAttributeAccessIssue]
             ledger_build.compiled()
     except HarnessError as e:
         pytest.exit(f"harness: error: {e}", returncode=2)
@@ -161,7 +173,7 @@ def harness_runner(request: pytest.FixtureRequest, harness_pools):
     try:
         runner = Runner.for_run(run_config(request.config, harness_pools))
         if runner.known.path:
-            request.config.harness_known_runner = runner
+            request.config.stash[KNOWN_RUNNER] = runner
     except HarnessError as e:
         pytest.exit(f"harness: error: {e}", returncode=2)
     yield runner

@@ -102,7 +102,7 @@ CONTEXT_LIMITS: dict[str, tuple[tuple[str, ...], str]] = {
 # What a check may read that a target may not let the harness measure: (capability, which cases,
 # why). A check that would apply but reads one of these says "not applied: why" instead. "Which
 # cases" reads only a case's TP and CP sizes, so a whole family of cases is decided before drawing.
-TARGET_LIMITS: dict[str, tuple[tuple[str, Callable[[Case], bool], str], ...]] = {
+TARGET_LIMITS: dict[str, tuple[tuple[str, Callable[[Any], bool], str], ...]] = {  # cases or a family (`_Sizes`)
     "memory": (
         ("eager", lambda c: True,
          "the routine runs under torch.compile, which the memory meter's Python dispatch mode would turn "
@@ -116,7 +116,8 @@ TARGET_LIMITS: dict[str, tuple[tuple[str, Callable[[Case], bool], str], ...]] = 
 # What a check may read that a case's shape does not give it: (which cases, why). A check that would
 # apply but reads one of these says "not applied: why" instead. "Which cases", as above, reads only
 # the TP and CP sizes.
-CASE_LIMITS: dict[str, tuple[Callable[[Case], bool], str]] = {
+# A limit reads a case's sizes only, so a whole family (`_Sizes`) can be judged before any case is drawn.
+CASE_LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "kernel-pass-memory": (lambda c: getattr(c, "cp", 1) > 1,
                            "CP > 1: a rank's wrapper memory is not its kernel's plus O(T) (no kernel backward "
                            "on a rank without response rows; the redistribution's own buffers)"),

@@ -31,6 +31,7 @@ def _per_sample(ev: Evidence, key: str, what: str) -> list[str]:
 def _right_at_cp1(ev: Evidence, run) -> str:
     """At CP > 1, whether the same case at CP 1 returns the right pieces: then the wrapper returns
     the whole response where it holds a CP rank's piece, as one written without CP does."""
+    assert isinstance(ev.case, WrapperCase)  # wrapper-extraction's level
     if ev.case.cp == 1 or extraction(run(ev.case.replace(cp=1, cp_layout="zigzag"))):
         return ""
     return ("wrong only at CP > 1 (the same case at CP 1 is right): a wrapper without context parallelism "

@@ -14,7 +14,7 @@ from cases.profiles import PROFILES
 from harness.base.errors import TargetError
 from harness.checks import all_checks
 from harness.conformance.exploration import Family, Outcome, Session, families
-from harness.plugin import value
+from harness.plugin import launched, value
 from harness.report.console import finding_blocks
 from harness.targets import load_target
 
@@ -29,7 +29,7 @@ def _target(config: pytest.Config):
 def _families(config: pytest.Config, target) -> list[Family]:
     cp = value(config, "cp") if target.supports("context_parallel") else []
     return families(PROFILES[value(config, "profile")], target.levels, value(config, "tp"),
-                    hasattr(config, "harness_launched"), cp)
+                    launched(config) is not None, cp)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

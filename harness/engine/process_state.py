@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ import torch.distributed as dist
 class Setting:
     name: str  # as findings name it
     get: Callable[[], Any]
-    set: Callable[[Any], None] | None  # None: cannot be put back in this process (the finding says so)
+    set: Callable[[Any], object] | None  # None: cannot be put back in this process (the finding says so)
     why: str = ""  # what a trainer loses, said once in the finding
     fmt: Callable[[Any], str] = repr
 
@@ -192,7 +192,8 @@ class Watch:
                     done = f"could not be restored ({type(e).__name__}: {e})"
             change = "changed" if isinstance(b, bytes) else f"{s.fmt(b)} -> {s.fmt(a)}"
             if s.name == "matmul precision":
-                change = ", ".join(f"{n} {v!r} -> {w!r}" for (n, v), (_, w) in zip(b, a, strict=True) if v != w)
+                change = ", ".join(f"{n} {v!r} -> {w!r}" for (n, v), (_, w) in zip(cast(tuple, b), cast(tuple, a), strict=True)
+                                   if v != w)  # (setting, value) pairs
             why = f"; {s.why}" if s.why else ""
             msg = f"{s.name} {change} after the {what} and not restored by the routine{why} ({done})"
             if msg not in self.findings:

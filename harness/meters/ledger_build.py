@@ -98,4 +98,4 @@ def compiled() -> type | None:
         return None
     if not built:
         print(f" done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-    return module.Ledger
+    return module.Ledger  # pyright: ignore[reportAttributeAccessIssue] -- torch types load() as str | module

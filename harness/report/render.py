@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cases.case import Case, KernelCase
 from harness.base import extras
@@ -23,6 +23,9 @@ from harness.checks.memory import budget_use
 from harness.driver.runner import Runner
 from harness.meters import memory
 from harness.report import view as report_view
+
+if TYPE_CHECKING:
+    import jinja2  # the report extra's
 
 SUFFIXES = (".html", ".md")
 
@@ -94,7 +97,7 @@ def write_report(path: Path, result: dict[str, Any]) -> None:
     path.write_text(text, encoding="utf-8")
 
 
-def environment(autoescape: bool) -> "jinja2.Environment":  # noqa: F821 (the report extra's)
+def environment(autoescape: bool) -> "jinja2.Environment":
     jinja2 = extras.require("jinja2", "report", "a report")
     env = jinja2.Environment(loader=jinja2.PackageLoader("harness.report", "templates"), autoescape=autoescape,
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
