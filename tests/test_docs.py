@@ -17,7 +17,7 @@ SOURCE_FILES = ("conftest.py", "pyproject.toml", "tox.ini", ".ci/run")
 
 # Pages being rewritten on other lines of work, exempt from the process-word and count checks
 # until they land (their links are checked).
-REWRITTEN_ELSEWHERE = {"docs/check-your-routine.md", "docs/peers.md", "docs/history.md", "docs/field-history.md"}
+REWRITTEN_ELSEWHERE: set[str] = set()
 
 # Words of how the project was built, meaningless to a user; each with what it looks like.
 # Peers' numbered issues and PRs ("slime #2153") are facts about the field and are not matched.
@@ -36,7 +36,9 @@ PROSE = {
     "'was' or 'now'": r"\b(was|were|now)\b",
     "a past version": r"\bused to\b|\bno longer\b|\bpreviously\b|\bearlier (version|figures?|code)\b",
 }
-PEER_FACT = re.compile(r"\w #\d+")
+# A peer's numbered PR or issue ("slime #2153", "(#2153)"), or a row of a table of a peer's commits
+# (its short sha first, then the peer's commit date).
+PEER_FACT = re.compile(r"(\w |\()#\d+|^\| `[0-9a-f]{7,40}` \|")
 
 
 def rel(path: Path) -> str:
