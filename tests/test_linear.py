@@ -125,3 +125,20 @@ def test_strategy_draws_every_tp_and_regime() -> None:
     draw()
     assert seen["tp"] == {1, 2, 4} and seen["dtype"] == {"fp32", "bf16", "fp16"}
     assert seen["regime"] >= {"normal", "peaked", "wide"}
+
+
+@pytest.mark.parametrize("view", ["shifted", "seq_first"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_a_hidden_view_hands_over_the_cases_rows_and_takes_back_their_gradient(view: str, T: int) -> None:
+    """The strided hidden states are the case's rows at every T (at T = 1 a seq_first buffer [1, 2, H]
+    has a shifted one's shape), and the gradient read back is theirs, not the filler's."""
+    from harness.engine.calls import LinearShard
+
+    case = parse_case(f"linear:tp=1,T={T},H=8,v_local=4,dtype=fp32,regime=normal,chunk_size=-1,with_entropy=0,"
+                      f"with_entropy_grad=0,requires_grad=1,loss_terms=both,seed=0,hidden_view={view}")
+    assert isinstance(case, LinearCase)
+    shard = LinearShard.of(case, 0, torch.device("cpu"))
+    assert shard.source is not None  # a view of the caller's larger buffer
+    torch.testing.assert_close(shard.hidden, case.inputs().hidden, rtol=0, atol=0)
+    (shard.hidden * 2.0).sum().backward()
+    torch.testing.assert_close(shard.hidden_grad(), torch.full_like(shard.hidden, 2.0), rtol=0, atol=0)

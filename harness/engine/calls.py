@@ -90,12 +90,13 @@ def hidden_laid_out(h: torch.Tensor, view: str, requires_grad: bool) -> tuple[to
     else:
         raise ValueError(f"unknown hidden view {view!r}")
     source.requires_grad_(requires_grad)
-    return source, hidden_view_of(source, T)
+    return source, hidden_view_of(source, T, view)
 
 
-def hidden_view_of(source: torch.Tensor, T: int) -> torch.Tensor:
-    """The [T, H] view `hidden_laid_out` hands over, from its buffer (or its gradient, from the buffer's)."""
-    if source.dim() == 3 and source.shape[0] == 1:  # shifted: [1, T + 1, H]
+def hidden_view_of(source: torch.Tensor, T: int, view: str) -> torch.Tensor:
+    """The [T, H] view `hidden_laid_out` hands over, from its buffer (or its gradient, from the buffer's).
+    Named, not read off the buffer's shape: at T = 1 a seq_first buffer [1, 2, H] has a shifted one's shape."""
+    if view == "shifted":  # [1, T + 1, H]
         return source[:, :T][0]
     return source.transpose(0, 1)[1]  # seq_first: [T, 2, H]
 
@@ -226,6 +227,7 @@ class LinearShard:
     w_log_prob: torch.Tensor | None
     w_entropy: torch.Tensor | None
     source: torch.Tensor | None = None  # the caller's leaf when `hidden` is a view of it (`hidden_view`)
+    view: str = "contiguous"  # how `hidden` views `source` (cases.case.HIDDEN_VIEWS)
 
     @classmethod
     def of(cls, case: LinearCase, rank: int, device: torch.device) -> LinearShard:
@@ -234,13 +236,13 @@ class LinearShard:
         source, hidden = hidden_laid_out(full.hidden.clone().to(device), case.hidden_view, case.hidden_grad)
         weight = full.weight[rows].contiguous().to(device).requires_grad_(case.weight_grad)
         return cls(hidden, weight, full.tokens.to(device), full.w_log_prob, full.w_entropy,
-                   None if source is hidden else source)
+                   None if source is hidden else source, case.hidden_view)
 
     def hidden_grad(self) -> torch.Tensor | None:
         """The gradient w.r.t. the hidden states handed over, as accumulated in the caller's tensor."""
         if self.source is None:
             return self.hidden.grad
-        return None if self.source.grad is None else hidden_view_of(self.source.grad, self.hidden.shape[0])
+        return None if self.source.grad is None else hidden_view_of(self.source.grad, self.hidden.shape[0], self.view)
 
     def call(self, target: Target, case: LinearCase, group: Any) -> tuple[Any, Any]:
         assert target.linear is not None  # a case runs only at the levels its target has
