@@ -16,6 +16,7 @@ from cases.case import KernelCase
 from harness import cli
 from harness.checks import Evidence
 from harness.checks.findings import Finding
+from harness.driver.cpu_share import SAMPLE_EVERY_S, CpuShare
 from harness.driver.limits import EVERY_CASE_AFTER, RunLimits
 from harness.driver.pool import CASE_FLOOR_S, MIN_MEASURED, WorkerPool
 from harness.driver.runner import Runner
@@ -74,6 +75,38 @@ def test_every_rank_blocked_is_stuck_too(harness_pools):
         assert pool.run("tests.pool_jobs:all_reduce_sum") == [3.0, 3.0]
     finally:
         pool.close()
+
+
+def _classified(*procs_per_core: int) -> CpuShare:
+    """The CpuShare of one watched process, sampled for 1.2 s: `procs_per_core[0]` is the watched
+    one's kind (0 sleeps, 1 spins), the rest are neighbours spinning on the same core."""
+    spin, sleep = "while True: pass", "import time; time.sleep(60)"
+    procs = [subprocess.Popen([sys.executable, "-c", spin if kind else sleep]) for kind in procs_per_core]
+    try:
+        for p in procs:
+            os.sched_setaffinity(p.pid, {min(os.sched_getaffinity(0))})
+        share = CpuShare([procs[0].pid], time.monotonic())
+        end = time.monotonic() + 1.2
+        while time.monotonic() < end:
+            time.sleep(SAMPLE_EVERY_S / 2)
+            share.sample([0], time.monotonic())
+        return share
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_a_rank_starved_of_a_cpu_is_not_still_and_gets_more_time():
+    """Stuck verdicts count only quiet time: a rank idle with no thread waiting for a CPU. One that
+    works, or waits in the run queue behind CPU-bound neighbours (a loaded CI runner), is not
+    still, and the time it waited moves its deadline on."""
+    idle = _classified(0)
+    assert idle.quiet_s > 0.6 and idle.starved_s == 0
+    working = _classified(1)
+    assert working.quiet_s == 0 and working.starved_s == 0
+    starved = _classified(1, 1, 1)  # three spinning on one core: each waits about two thirds of the time
+    assert starved.quiet_s == 0 and starved.starved_s > 0.4
 
 
 def test_case_deadline_scales_with_the_measured_cost():

@@ -239,28 +239,39 @@ def test_nemo_rl_cp_gradient_is_drawn_only_where_it_can_run() -> None:
     assert not target.supports("cp_gradient"), "device-agnostic: only where every device has it"
 
 
-def test_a_compiled_routine_starts_each_case_with_a_fresh_compile_state(monkeypatch) -> None:
+def test_a_compiled_routine_compiles_each_signature_as_a_fresh_process_would(monkeypatch) -> None:
     """A worker runs a whole run's sizes through one process; a routine declared compiled (Cut
     Cross-Entropy, fullgraph=True) must not fail a case because earlier cases used up Dynamo's
-    recompile limit. Without the fresh state, the same sizes in one state hit the limit and raise."""
+    recompile limit, nor run a dynamic-shape graph only because another size came first. A routine
+    not declared compiled keeps torch's defaults: there the second size compiles a dynamic graph."""
     import torch
     import torch._dynamo
 
-    from harness.engine.executor import fresh_compile_state
+    from harness.engine.executor import compile_per_signature
 
-    fn = torch.compile(lambda x: (x * 2).sum(), fullgraph=True, dynamic=False, backend="eager")
+    graphs: list[str] = []
+
+    def backend(gm, example_inputs):
+        graphs.append(" ".join(str(getattr(t, "shape", t)) for t in example_inputs))
+        return gm.forward
+
+    fn = torch.compile(lambda x: (x * 2).sum(), fullgraph=True, backend=backend)
     compiled, eager = load_target("harness.targets.peers.cce"), load_target(MEGATRON)
     assert not compiled.supports("eager") and eager.supports("eager")
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     torch._dynamo.reset()
     try:
-        for n in range(1, 6):  # one new size per case
-            fresh_compile_state(compiled)
+        for n in [*range(1, 6), 3]:  # one new size per case, then a size seen before
+            compile_per_signature(compiled)
             fn(torch.ones(n))
-        with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
-            for n in range(1, 6):  # a routine not declared compiled keeps its state: the limit is reached
-                fresh_compile_state(eager)
-                fn(torch.ones(n))
+        assert graphs == [f"torch.Size([{n}])" for n in range(1, 6)], "one static graph per size, reused"
+        torch._dynamo.reset()
+        graphs.clear()
+        for n in range(1, 6):
+            compile_per_signature(eager)
+            fn(torch.ones(n))
+        assert len(graphs) == 2 and "s" in graphs[1], f"torch's defaults: the second size goes dynamic {graphs}"
+        assert torch._dynamo.config.recompile_limit == 2
     finally:
         torch._dynamo.reset()
 
@@ -335,3 +346,31 @@ def test_peers_command_writes_the_matrix(tmp_path) -> None:
     assert megatron["cells"]["input-integrity"]["state"] == "known"  # #1594, explained by its known file
     assert not [c for c in megatron["cells"].values() if c["state"] == "finding"]
     assert (out / "peers.html").read_text().startswith("<!DOCTYPE html>") and (out / "megatron.json").exists()
+
+
+def test_a_tree_without_the_peer_s_routine_is_refused_not_run(tmp_path, monkeypatch) -> None:
+    """A commit before the routine existed (or after it moved): an adapter that imports inside its
+    calls would turn every case into an ImportError `crash`. The runner refuses the target instead,
+    reading the tree's source without importing it (the package `__init__` imports a training
+    stack), so `harness history` marks the commit untestable."""
+    import importlib
+
+    from harness.base.errors import TargetError
+    from harness.driver.runner import Runner
+    from harness.targets.peers import absent_here
+
+    spec = "harness.targets.peers.verl"
+    importlib.import_module(spec)
+    pkg = tmp_path / "verl" / "utils" / "megatron"
+    pkg.mkdir(parents=True)
+    (tmp_path / "verl" / "__init__.py").write_text("import ray  # a training stack: never imported by the probe\n")
+    (tmp_path / "verl" / "utils" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "tensor_parallel.py").write_text("def unrelated():\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    why = absent_here(spec)
+    assert why and "none of its routines" in why and "vocab_parallel_entropy in" in why, why
+    with pytest.raises(TargetError, match="none of its routines"):
+        Runner(spec)
+    (pkg / "tensor_parallel.py").write_text("from x import vocab_parallel_entropy\n")
+    assert absent_here(spec) is None

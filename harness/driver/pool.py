@@ -42,7 +42,7 @@ import torch.multiprocessing as mp
 
 from harness.base.errors import PoolStartError
 from harness.base.options import COLLECTIVE_TIMEOUT_S
-from harness.driver import process
+from harness.driver import cpu_share, process
 from harness.engine import stacks, wire
 from harness.engine.observations import HANG_KINDS, RankResult
 from harness.engine.progress import ProgressBoard
@@ -185,7 +185,8 @@ class WorkerPool:
             p = self.board.read(r)
             where = fmt_event(p.last) if p.last else "a collective"
             out[r] = self._result(r, f"{self.name(r)} stuck in {where}, the collective #{p.entered} it entered in "
-                                     f"this case: nothing moved for {still_s:.1f}s while {why}", "stuck",
+                                     f"this case: nothing moved for {still_s:.1f}s, no rank working or waiting for a CPU, "
+                                     f"while {why}", "stuck",
                                   p.trace or [])
         return out
 
@@ -212,12 +213,14 @@ class WorkerPool:
         pending = {c: r for r, c in enumerate(self.conns)}
         sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
         board = self.board if watch else None
-        signature, moved_at = None, time.monotonic()
+        signature, quiet_at_move = None, 0.0
         # A rank whose stack shows an import or a compilation still under way is not hung: its
-        # deadline moves on while it does, up to the case timeout (`compile_bound`).
+        # deadline moves on while it does, up to the case timeout (`compile_bound`); so does it by
+        # the time the ranks waited for a CPU (`cpu_share`).
         bound = started + self.compile_bound_s(deadline - started)
+        cpu = cpu_share.CpuShare([p.pid for p in self.procs], started) if watch else None
         while pending:
-            left = deadline - time.monotonic()
+            left = min(bound, deadline + (cpu.starved_s if cpu is not None else 0.0)) - time.monotonic()
             if left <= 0:
                 if code is not None and deadline < bound and any(code.starting_up(r) for r in pending.values()):
                     deadline = min(bound, time.monotonic() + stacks.STARTUP_EXTEND_S)
@@ -250,20 +253,22 @@ class WorkerPool:
             if board is not None and pending:
                 now = time.monotonic()
                 running = sorted(pending.values())
+                assert cpu is not None and code is not None
+                cpu.sample(running, now)
                 state = (len(replies), tuple(board.signature(r) for r in running))
+                # Still time: only the quiet share counts, never time the ranks worked or waited for a CPU.
                 if state != signature:
-                    signature, moved_at = state, now
-                elif (all(board.inside[r] for r in running)
-                      and now - moved_at >= self.stuck_grace(some_answered=bool(replies))):
-                    replies.update(self._stuck(running, replies, now - moved_at))
+                    signature, quiet_at_move = state, cpu.quiet_s
+                still = cpu.quiet_s - quiet_at_move
+                if all(board.inside[r] for r in running) and still >= self.stuck_grace(some_answered=bool(replies)):
+                    replies.update(self._stuck(running, replies, still))
                     self.stuck_events += 1
                     break
-                assert code is not None
                 outside = [r for r in running if not board.inside[r]]
                 code.probe(outside, now - started, now)
-                if code.stuck(outside) and now - moved_at >= code.still_seconds():
+                if code.stuck(outside) and still >= code.still_seconds():
                     inside = [r for r in running if board.inside[r]]
-                    replies.update(self._stuck(inside, replies, now - moved_at) if inside else {})
+                    replies.update(self._stuck(inside, replies, still) if inside else {})
                     replies.update(self._stuck_in_code(outside, code))
                     self.stuck_events += 1
                     break

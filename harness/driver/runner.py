@@ -23,6 +23,7 @@ from harness.driver.pool import COMPILE_BOUND_S, STARTUP_TIMEOUT_S, WorkerPool, 
 from harness.engine.executor import CASE_JOB
 from harness.engine.observations import RankResult
 from harness.targets import Target, load_target, repro_env
+from harness.targets.peers import absent_here
 
 CACHE_SIZE = 4096
 KNOWN_KEPT = 200  # known findings kept for the report; every match is counted on its entry
@@ -90,7 +91,7 @@ class Runner:
         `bitwise`: include the opt-in bitwise checks (when `checks` is None)."""
         self.target: Target = load_target(target_spec)
         self.repro_env = repro_env(self.target)  # "PYTHONPATH=... " when the target came from here
-        unavailable = self.target.unavailable(device)
+        unavailable = self.target.unavailable(device) or absent_here(self.target.spec)
         if unavailable:
             raise TargetError(unavailable)
         self.target = self.target.on(device)  # what it can do on this device decides what is drawn

@@ -74,19 +74,31 @@ def metered(target: Target) -> bool:
     return target.supports("eager")
 
 
-def fresh_compile_state(target: Target) -> None:
-    """Before each case of a compiled routine (`eager` False): Dynamo's state as in a process of its
-    own, so the case is judged on what it does, as `harness repro` runs it alone, and not on what
-    earlier cases left in this worker. A pool process sees every dtype, grad mode and size of a
-    whole run, and with fullgraph=True its compiled routine would otherwise reach Dynamo's recompile
-    limit and raise: the process reuse's failure, not the routine's. The compiled code itself comes
-    back from Inductor's on-disk cache. A routine that does not declare `eager` False keeps torch's
-    defaults, as in training: past the limit Dynamo runs the same Python eagerly."""
-    if target.supports("eager"):
-        return
-    import torch._dynamo
+_DYNAMO_DEFAULTS: tuple[bool, int, int] | None = None  # torch's settings, kept the first time they are changed
 
-    torch._dynamo.reset()
+
+def compile_per_signature(target: Target) -> None:
+    """Before each case of a compiled routine (`eager` False): every distinct signature (sizes,
+    dtypes, grad mode) compiles once, statically, as a process of its own compiles its first call,
+    and stays cached. So a case is judged on what it does, as `harness repro` runs it alone, and
+    not on what earlier cases left in this worker: with torch's defaults a size seen second would
+    compile a dynamic-shape graph (whose last bits may differ), and a pool process, which sees
+    every size of a whole run, would reach Dynamo's recompile limit, past which a fullgraph=True
+    routine raises and any other runs eagerly. A routine that does not declare `eager` False runs
+    under torch's defaults, as in training."""
+    global _DYNAMO_DEFAULTS
+    if target.supports("eager") and _DYNAMO_DEFAULTS is None:
+        return
+    import torch._dynamo.config as dynamo
+
+    if _DYNAMO_DEFAULTS is None:
+        _DYNAMO_DEFAULTS = (dynamo.automatic_dynamic_shapes, dynamo.recompile_limit,
+                            dynamo.accumulated_recompile_limit)
+    if target.supports("eager"):
+        dynamo.automatic_dynamic_shapes, dynamo.recompile_limit, dynamo.accumulated_recompile_limit = _DYNAMO_DEFAULTS
+    else:
+        dynamo.automatic_dynamic_shapes = False
+        dynamo.recompile_limit = dynamo.accumulated_recompile_limit = 1 << 30
 
 
 def _observed_call(inp: Any, target: Target, case: Any, group: Any, meter: Meter, integrity: "_Integrity",
@@ -368,7 +380,7 @@ def run_on_rank(case: Case, target: Target, rank: int, device: torch.device, cp_
     several times the call itself), for a run whose checks read no memory figure."""
     result = RankResult(rank)
     group = tp_group()
-    fresh_compile_state(target)
+    compile_per_signature(target)
     with trace.recording() as events, watching(device, case.level) as watch:
         try:
             if isinstance(case, KernelCase):

@@ -20,9 +20,11 @@ here; `peers()` finds it.
 """
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import pkgutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +55,64 @@ class Peer:
             if not found:
                 out.append(mod)
         return out
+
+
+def _source_file(module: str) -> Path | None:
+    """The file `sys.path` holds for a dotted module, found without importing it (a trainer's
+    package `__init__` imports its whole stack), or None."""
+    rel = Path(*module.split("."))
+    for entry in sys.path:
+        root = Path(entry or ".")
+        for candidate in (root / rel.with_suffix(".py"), root / rel / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def _bound_names(path: Path) -> set[str]:
+    """The names a module's top level binds: defs, classes, assignments, imports."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+    except SyntaxError:
+        return set()
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    return names
+
+
+def absent_here(spec: str) -> str | None:
+    """Why the peer adapter `spec` has nothing to call here, or None: a required module not
+    installed, or a tree on `sys.path` none of whose upstream functions exists (a commit before the
+    routine, after it moved). Read from the source, not imported, so that `harness check` refuses
+    such a target (and `harness history` marks the commit untestable) instead of reporting every
+    case as the adapter's import error. Adapters that import inside their calls rely on it."""
+    meta = getattr(sys.modules.get(spec), "HARNESS_PEER", None)
+    if meta is None:
+        return None
+    peer = Peer(spec.rsplit(".", 1)[-1], spec, tuple(meta["requires"]), meta["install"], tuple(meta["upstream"]),
+                "", False, None)
+    missing = peer.missing()
+    if missing:
+        return f"{spec} needs {', '.join(missing)}, not installed here: {peer.install}"
+    found, where = [], []
+    for path in peer.upstream:
+        module, _, name = path.split()[0].rpartition(".")
+        file = _source_file(module)
+        if file is None and _source_file(module.split(".")[0]) is None:
+            return None  # installed where a path scan cannot see (an import hook): the calls will tell
+        if file is not None and name in _bound_names(file):
+            found.append(path)
+        where.append(f"{name} in {file or module}")
+    if found:
+        return None
+    return f"{spec}: the tree on sys.path has none of its routines ({'; '.join(where)})"
 
 
 def peers() -> list[Peer]:

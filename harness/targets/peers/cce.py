@@ -9,8 +9,9 @@ not tensor-parallel: at TP > 1 the adapter all-gathers the weight's vocab shards
 (`_mpu.gather_vocab`), so every rank computes the full answer. `log_prob = -loss`; `chunk_size`
 is ignored. Its `fullgraph=True` compile raises under any Python dispatch mode, so the target
 declares `"eager": False`: the harness runs it without the memory meter, and the memory checks
-say "not applied" and why; and every case starts from a fresh Dynamo state, so that no case is
-judged by the compilations earlier cases left in its worker (`fresh_compile_state`).
+say "not applied" and why; and each signature compiles once, statically, as in a process of its
+own, so that no case is judged by the compilations earlier cases left in its worker
+(`compile_per_signature`).
 
 `harness peers` checks it at the `smoke` profile: each case compiles (from Inductor's cache, once
 warm), and the routine has few of the dimensions `ci`'s extra draws vary (no entropy, no

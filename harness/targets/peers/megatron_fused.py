@@ -8,9 +8,10 @@ keep mask, and `chunk_size` is accepted and ignored. The adapter hands over the 
 
 Its pieces are compiled: megatron-core's `jit_fuser` is `torch.compile` on torch >= 2.2. So the
 target declares `"eager": False`: under the memory meter's dispatch mode Dynamo would run them
-eagerly, a path production does not take, so the memory checks say "not applied"; and each case
-starts from a fresh Dynamo state, as in a process of its own, so that whether a piece runs
-compiled or (past torch's recompile limit) eagerly never depends on earlier cases.
+eagerly, a path production does not take, so the memory checks say "not applied"; and each
+signature compiles once, statically, as in a process of its own, so that whether a piece runs a
+static, a dynamic-shape or (past torch's recompile limit) no compiled graph never depends on
+earlier cases (`compile_per_signature`).
 `harness peers` checks it at the `smoke` profile: every case compiles its pieces (from Inductor's
 cache, once warm) on every rank, and its Python is the unfused `megatron`'s, checked at `ci`.
 """

@@ -5,6 +5,9 @@
 dtype for bf16/fp16) and `entropy_from_logits` (chunks of 128 rows), with the entropy computed
 under `no_grad` when `entropy_requires_grad` is False: the contract's `with_entropy_grad`. On CUDA
 TRL switches to a Triton kernel; this adapter checks the torch path wherever it runs on CPU.
+Before TRL had the combined function, its trainers called the two pieces themselves; at such a
+commit the adapter does what the combined function does: `selective_log_softmax`, then
+`entropy_from_logits`, under `no_grad` when `with_entropy_grad` is False.
 
 TRL is not tensor-parallel. At TP 1 the adapter hands it the caller's logits. At TP > 1 it first
 all-gathers the vocab shards (`_mpu.gather_vocab`: Megatron's gather-from-TP-region, whose
@@ -27,12 +30,16 @@ HARNESS_PEER = dict(requires=("trl",), install="pip install trl",
 def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
                                     log_prob_keep_mask=None, with_entropy_grad=True):
     """Level 1 kernel over TRL: `(log_prob [T], entropy [T] or None)`, in the logits' dtype."""
-    from trl.trainer.utils import selective_log_softmax, selective_log_softmax_and_entropy
+    from trl.trainer import utils
 
     if log_prob_keep_mask is not None:
         raise NotImplementedError("TRL takes no keep mask (HARNESS_CAPABILITIES['keep_mask'] is False)")
     full = gather_vocab(logits, tp_group)
     tokens = tokens.reshape(-1).to(device=logits.device, dtype=torch.long)
     if not with_entropy:
-        return selective_log_softmax(full, tokens), None
-    return selective_log_softmax_and_entropy(full, tokens, entropy_requires_grad=with_entropy_grad)
+        return utils.selective_log_softmax(full, tokens), None
+    if hasattr(utils, "selective_log_softmax_and_entropy"):
+        return utils.selective_log_softmax_and_entropy(full, tokens, entropy_requires_grad=with_entropy_grad)
+    log_prob = utils.selective_log_softmax(full, tokens)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and with_entropy_grad):
+        return log_prob, utils.entropy_from_logits(full)
