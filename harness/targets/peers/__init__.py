@@ -87,6 +87,13 @@ def _bound_names(path: Path) -> set[str]:
     return names
 
 
+def defines(module: str, name: str) -> bool | None:
+    """Whether the tree on `sys.path` defines `module.name`, read from its source without importing
+    it; None when no file of `module` is found. Adapters use it to follow a routine's past forms."""
+    file = _source_file(module)
+    return None if file is None else name in _bound_names(file)
+
+
 def absent_here(spec: str) -> str | None:
     """Why the peer adapter `spec` has nothing to call here, or None: a required module not
     installed, or a tree on `sys.path` none of whose upstream functions exists (a commit before the

@@ -20,17 +20,25 @@ CPU its CP cases are drawn without autograd (`"cp_gradient": {"cpu": False}`): t
 checked there, the CP gradient on CUDA. `nemo_rl_unpacked` is the same wrapper
 over `from_parallel_logits_to_logprobs`.
 
+Past forms: before NeMo-RL's chunked log-probs (`ChunkedDistributedLogprob`, a `chunk_size`
+parameter) a chunk size is accepted and ignored, as NeMo-RL then did; before sequence packing
+(`from_parallel_logits_to_logprobs_packed_sequences`) the tree has no packed wrapper, so the adapter
+defines no wrapper level there (`nemo_rl_unpacked` checks the unpacked one). Both are read from the
+tree's source at import (`defines`), without importing NeMo-RL.
+
 NeMo-RL is not on the package index in a usable version; the module imports on CPU with torch
 alone from a source tree on `PYTHONPATH` (`nemo_rl/__init__.py` needs no other package).
 """
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from harness.targets.peers import defines
 from harness.targets.peers._mpu import parallel_state_group
 
 # Its CP backward moves an index to CUDA (`AllGatherCPTensor.backward`): on CPU its CP cases run
@@ -72,17 +80,18 @@ def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False
                                "initialise torch.distributed")
         tp_group = dist.group.WORLD
     # Imported from the user's NeMo-RL tree (docs/peers.md), not from an installed package.
-    from nemo_rl.distributed.model_utils import ChunkedDistributedLogprob, DistributedLogprob  # pyright: ignore[reportMissingImports]
+    from nemo_rl.distributed import model_utils  # pyright: ignore[reportMissingImports]
 
     v_local = logits.shape[1]
     start = dist.get_rank(tp_group) * v_local
     # [B, S, V_local] as NeMo-RL takes them: a view, so the caller's tensor is what NeMo-RL sees.
     x, target = logits.unsqueeze(0), tokens.reshape(1, -1).to(device=logits.device, dtype=torch.long)
-    if chunk_size > 0:
-        out = ChunkedDistributedLogprob.apply(x, target, start, start + v_local, chunk_size, tp_group,
-                                              _inference_only(logits))
+    if chunk_size > 0 and hasattr(model_utils, "ChunkedDistributedLogprob"):
+        out = model_utils.ChunkedDistributedLogprob.apply(x, target, start, start + v_local, chunk_size, tp_group,
+                                                          _inference_only(logits))
     else:
-        out = DistributedLogprob.apply(x, target, start, start + v_local, tp_group, _inference_only(logits))
+        out = model_utils.DistributedLogprob.apply(x, target, start, start + v_local, tp_group,
+                                                   _inference_only(logits))
     return out.reshape(-1), None
 
 
@@ -148,6 +157,14 @@ def wrapper_call(logits, args, unconcat_tokens, total_lengths, response_lengths,
     return torch.empty(0, device=logits.device), {"log_probs": pieces}
 
 
+def as_taken(fn: Callable, call: dict) -> dict:
+    """`call` as `fn` takes it: a commit from before NeMo-RL's chunked log-probs has no `chunk_size`
+    parameter, and ignores chunking, as NeMo-RL then did."""
+    if "chunk_size" in inspect.signature(fn).parameters:
+        return call
+    return {k: v for k, v in call.items() if k != "chunk_size"}
+
+
 def _packed_rows(x: torch.Tensor, tokens: list[torch.Tensor], lengths: list[int], padded: list[int],
                  call: dict) -> list[torch.Tensor]:
     """One call of `from_parallel_logits_to_logprobs_packed_sequences` on the whole packed batch:
@@ -162,7 +179,8 @@ def _packed_rows(x: torch.Tensor, tokens: list[torch.Tensor], lengths: list[int]
                                      dtype=torch.int32, device=x.device)
     tp_group = parallel_state_group(None, "NeMo-RL's Megatron policy worker")
     out = from_parallel_logits_to_logprobs_packed_sequences(x, target, cu_seqlens_padded, max(lengths, default=1),
-                                                            group=tp_group, **call)
+                                                            group=tp_group,
+                                                            **as_taken(from_parallel_logits_to_logprobs_packed_sequences, call))
     return list(out)  # out[i, j]: log p(token j + 1 of sequence i)
 
 
@@ -172,3 +190,7 @@ def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, r
     """Level 2 wrapper over `from_parallel_logits_to_logprobs_packed_sequences`."""
     return wrapper_call(logits, args, unconcat_tokens, total_lengths, response_lengths, with_entropy,
                         top_p_token_ids, top_p_token_offsets, _packed_rows)
+
+
+if defines("nemo_rl.distributed.model_utils", "from_parallel_logits_to_logprobs_packed_sequences") is False:
+    del get_log_probs_and_entropy  # a commit before sequence packing: no packed wrapper to check

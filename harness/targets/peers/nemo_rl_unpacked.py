@@ -41,7 +41,7 @@ def _per_sequence_rows(x: torch.Tensor, tokens: list[torch.Tensor], lengths: lis
     for toks, p in zip(tokens, padded, strict=True):
         local = p // cp  # this rank's rows of the sequence: its two chunks under CP
         out = from_parallel_logits_to_logprobs(x[:, offset:offset + local], toks.unsqueeze(0), tp_group=tp_group,
-                                               **call)
+                                               **packed.as_taken(from_parallel_logits_to_logprobs, call))
         rows.append(out[0])  # out[0, j]: log p(token j + 1)
         offset += local
     return rows
