@@ -374,3 +374,5 @@ def test_a_tree_without_the_peer_s_routine_is_refused_not_run(tmp_path, monkeypa
         Runner(spec)
     (pkg / "tensor_parallel.py").write_text("from x import vocab_parallel_entropy\n")
     assert absent_here(spec) is None
+    importlib.import_module("harness.targets.peers.prime_rl")  # its tree lives under src/: it finds it itself
+    assert absent_here("harness.targets.peers.prime_rl") is None

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from cases.profiles import DEFAULT_PROFILE
 from harness.targets import load_target
+from harness.targets.peers._source import PeerSource
 
 
 @dataclass(frozen=True)
@@ -100,9 +101,10 @@ def absent_here(spec: str) -> str | None:
     routine, after it moved). Read from the source, not imported, so that `harness check` refuses
     such a target (and `harness history` marks the commit untestable) instead of reporting every
     case as the adapter's import error. Adapters that import inside their calls rely on it."""
-    meta = getattr(sys.modules.get(spec), "HARNESS_PEER", None)
-    if meta is None:
-        return None
+    module = sys.modules.get(spec)
+    meta = getattr(module, "HARNESS_PEER", None)
+    if meta is None or isinstance(getattr(module, "SOURCE", None), PeerSource):
+        return None  # an adapter that loads its routine's own file finds it, or says why, itself
     peer = Peer(spec.rsplit(".", 1)[-1], spec, tuple(meta["requires"]), meta["install"], tuple(meta["upstream"]),
                 "", False, None)
     missing = peer.missing()

@@ -69,7 +69,11 @@ def calculate_linear_log_probs_and_entropy(hidden, weight, tokens, tp_group, wit
     lm = SOURCE.require(_LM)
     full = gather_vocab(weight, tp_group, dim=0)
     rows = hidden.shape[0]
-    head = lm.FusedOutputLinear(hidden.shape[1], full.shape[0], chunk_size if chunk_size > 0 else max(rows, 1))
+    # The module is built here per call, but in training once, with the model: its weight's random
+    # initialisation (replaced by the caller's weight below) is not the routine's draw from the
+    # trainer's RNG stream, so it draws from a forked one.
+    with torch.random.fork_rng(devices=[]):
+        head = lm.FusedOutputLinear(hidden.shape[1], full.shape[0], chunk_size if chunk_size > 0 else max(rows, 1))
     head = head.to(device=hidden.device, dtype=full.dtype)
     labels = tokens.reshape(1, -1).to(device=hidden.device, dtype=torch.long)
     out = torch.func.functional_call(head, {"weight": full},
