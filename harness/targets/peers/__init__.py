@@ -47,15 +47,19 @@ class Peer:
 
     def missing(self) -> list[str]:
         """The required modules that are not importable here."""
-        out = []
-        for mod in self.requires:
-            try:
-                found = importlib.util.find_spec(mod) is not None
-            except (ImportError, ValueError):  # a parent package missing
-                found = False
-            if not found:
-                out.append(mod)
-        return out
+        return _missing(self.requires)
+
+
+def _missing(requires: tuple[str, ...] | list[str]) -> list[str]:
+    out = []
+    for mod in requires:
+        try:
+            found = importlib.util.find_spec(mod) is not None
+        except (ImportError, ValueError):  # a parent package missing
+            found = False
+        if not found:
+            out.append(mod)
+    return out
 
 
 def _source_file(module: str) -> Path | None:
@@ -105,22 +109,18 @@ def absent_here(spec: str) -> str | None:
     meta = getattr(module, "HARNESS_PEER", None)
     if meta is None or isinstance(getattr(module, "SOURCE", None), PeerSource):
         return None  # an adapter that loads its routine's own file finds it, or says why, itself
-    peer = Peer(spec.rsplit(".", 1)[-1], spec, tuple(meta["requires"]), meta["install"], tuple(meta["upstream"]),
-                "", False, None)
-    missing = peer.missing()
+    missing = _missing(meta["requires"])
     if missing:
-        return f"{spec} needs {', '.join(missing)}, not installed here: {peer.install}"
-    found, where = [], []
-    for path in peer.upstream:
-        module, _, name = path.split()[0].rpartition(".")
-        file = _source_file(module)
-        if file is None and _source_file(module.split(".")[0]) is None:
+        return f"{spec} needs {', '.join(missing)}, not installed here: {meta['install']}"
+    where = []
+    for path in meta["upstream"]:
+        owner, _, name = path.split()[0].rpartition(".")  # an entry may carry a note: "pkg.fn (impl=...)"
+        file = _source_file(owner)
+        if file is None and _source_file(owner.split(".")[0]) is None:
             return None  # installed where a path scan cannot see (an import hook): the calls will tell
         if file is not None and name in _bound_names(file):
-            found.append(path)
-        where.append(f"{name} in {file or module}")
-    if found:
-        return None
+            return None
+        where.append(f"{name} in {file or owner}")
     return f"{spec}: the tree on sys.path has none of its routines ({'; '.join(where)})"
 
 

@@ -20,11 +20,11 @@ CPU its CP cases are drawn without autograd (`"cp_gradient": {"cpu": False}`): t
 checked there, the CP gradient on CUDA. `nemo_rl_unpacked` is the same wrapper
 over `from_parallel_logits_to_logprobs`.
 
-Past forms: before NeMo-RL's chunked log-probs (`ChunkedDistributedLogprob`, a `chunk_size`
-parameter) a chunk size is accepted and ignored, as NeMo-RL then did; before sequence packing
-(`from_parallel_logits_to_logprobs_packed_sequences`) the tree has no packed wrapper, so the adapter
-defines no wrapper level there (`nemo_rl_unpacked` checks the unpacked one). Both are read from the
-tree's source at import (`defines`), without importing NeMo-RL.
+Past forms: before NeMo-RL's chunked log-probs (no `ChunkedDistributedLogprob`, no `chunk_size`
+parameter, both looked up at the call) a chunk size is accepted and ignored, as NeMo-RL then did;
+before sequence packing (no `from_parallel_logits_to_logprobs_packed_sequences`, read from the
+tree's source at import by `defines`, without importing NeMo-RL) the adapter defines no wrapper
+level (`nemo_rl_unpacked` checks the unpacked one).
 
 NeMo-RL is not on the package index in a usable version; the module imports on CPU with torch
 alone from a source tree on `PYTHONPATH` (`nemo_rl/__init__.py` needs no other package).
