@@ -132,6 +132,9 @@ CORPUS: tuple[Regression, ...] = (
     Regression("linear-frozen-head", "caller: a frozen LM head (LoRA, adapters): the hidden states' gradient only, "
                "and no memory spent on the weight's", "memory-budget",
                LinearCase(tp=2, T=4, H=64, v_local=32, frozen="weight", seed=24)),
+    Regression("linear-frozen-head-work", "prime-rl #3011: a frozen LM head's gradient computed and thrown away "
+               "(a LoRA run, the entropy a metric)", "frozen-input-work",
+               LinearCase(tp=1, T=4, H=64, v_local=32, frozen="weight", with_entropy_grad=False, seed=3011)),
     Regression("linear-frozen-trunk", "caller: frozen hidden states under a trained LM head: the weight's gradient "
                "must still come", "gradients", LinearCase(tp=2, T=6, H=8, v_local=5, frozen="hidden", seed=241)),
     Regression("linear-hidden-shifted", "caller: the hidden states are h[:, :-1] of a [1, T + 1, H] decoder output "

@@ -7,8 +7,11 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -99,6 +102,87 @@ def test_history_repro_line_outlives_the_run_and_checks_its_commit(repo, tmp_pat
     assert main(shlex.split(line.replace(shas["defect"], shas["fix"]))[3:]) == 0
     assert main(["repro", "--repo", str(path), "--commit", shas["readme"], "--target", "nosuchmodule", CASE]) \
         == UNTESTABLE
+
+
+# A peer adapter that imports its peer inside its calls, as verl's does, next to a peer whose
+# package `__init__` does not import here (verl's 2025 commits import pkg_resources).
+ADAPTER = '''HARNESS_PEER = dict(requires=("fakepeer",), install="put fakepeer on PYTHONPATH",
+                    upstream=("fakepeer.ops.log_probs",))
+
+
+def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
+                                    log_prob_keep_mask=None, with_entropy_grad=True):
+    from fakepeer.ops import log_probs
+
+    return log_probs(logits, tokens, tp_group, with_entropy)
+'''
+
+
+def test_a_commit_whose_peer_does_not_import_here_is_untestable(tmp_path, capsys):
+    path = tmp_path / "peer-repo"
+    (path / "fakepeer").mkdir(parents=True)
+    _git(path, "init", "-q")
+    (path / "peer_adapter.py").write_text(ADAPTER)
+    (path / "fakepeer" / "__init__.py").write_text("import a_module_that_does_not_exist\n")
+    (path / "fakepeer" / "ops.py").write_text("def log_probs(logits, tokens, tp_group, with_entropy):\n    pass\n")
+    _git(path, "add", ".")
+    _git(path, "commit", "-q", "-m", "a peer that does not import")
+    out = tmp_path / "out"
+    assert main(["history", str(path), "--target", "peer_adapter", "--profile", "smoke", "--tp", "1",
+                 "--out", str(out)]) == 0
+    (row,) = json.loads((out / "history.json").read_text())["rows"]
+    assert row["status"] == "untestable", row
+    assert row["reason"] == ("peer_adapter: fakepeer.ops cannot be imported here: "
+                             "ModuleNotFoundError: No module named 'a_module_that_does_not_exist'")
+
+
+MARK = "HARNESS_HISTORY_TEST_RUN"  # in the environment of every process a run below starts
+
+
+def _started(mark: str) -> dict[int, str]:
+    """The live processes whose environment carries MARK=mark: their command lines, by pid."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            if f"{MARK}={mark}".encode() not in (proc / "environ").read_bytes().split(b"\0") \
+                    or (proc / "stat").read_bytes().rsplit(b")", 1)[1].split()[0] == b"Z":
+                continue
+            found[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError):  # not a process, gone, or not ours to read
+            continue
+    return found
+
+
+def test_sigterm_stops_the_history_and_every_process_it_started(repo, tmp_path):
+    """A CI runner cancelling, then Ctrl-C while the run stops: the run's checks (each in a session of
+    its own, with a worker pool of its own) are stopped with it, within seconds, the second signal
+    notwithstanding, and its exported trees are deleted."""
+    path, _ = repo
+    mark, tmp = uuid.uuid4().hex, tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp), **{MARK: mark})
+    run = subprocess.Popen([sys.executable, "-m", "harness", "history", str(path), "--target", "lp", "--profile",
+                            "smoke", "--tp", "1", "--jobs", "2", "--out", str(tmp_path / "out")],
+                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        # Both versions' checks and a worker forked by one of them (its command line is the check's).
+        while sum(" harness check " in cmd for cmd in _started(mark).values()) < 3:
+            assert run.poll() is None and time.monotonic() < deadline, "the checks did not start"
+            time.sleep(0.1)
+        run.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        time.sleep(0.5)
+        run.send_signal(signal.SIGINT)
+        _, err = run.communicate(timeout=15)
+        assert time.monotonic() - start < 15 and run.returncode == 128 + signal.SIGTERM, err
+        assert "interrupted by SIGTERM" in err
+        assert not _started(mark)
+        assert not list(tmp.glob("harness-history-*"))
+    finally:
+        run.kill()
+        for pid in _started(mark):  # what a failure left behind
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.slow

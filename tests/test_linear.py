@@ -18,13 +18,15 @@ from harness.checks.memory import linear_retained_allowance
 from harness.commands.mutate import CLEAN, kill_matrix, run_catalog
 from harness.driver.explorer import explore
 from harness.driver.runner import Runner
+from harness.meters.work import Work
 from harness.targets import load_target
 from harness.targets.mutants import catalog
 
 STUDY = Path(__file__).resolve().parent.parent / "scripts" / "linear_tolerance_study.py"
 LINEAR_CHECKS = ("values", "gradients", "grad-flags", "shapes-dtypes", "finite", "crash", "hang", "collectives",
                  "chunk-invariance", "tp-invariance", "input-integrity", "empty-input", "memory-metric-only",
-                 "memory-backward-frees", "memory-linear-retained", "memory-budget", "side-effects")
+                 "memory-backward-frees", "memory-linear-retained", "memory-budget", "frozen-input-work",
+                 "side-effects")
 
 
 def _study():
@@ -83,6 +85,19 @@ def test_default_target_has_the_linear_level() -> None:
     assert "linear" in load_target(DEFAULT_TARGET).levels
     applied = {n for n, c in all_checks().items() if "linear" in c.levels}
     assert applied == set(LINEAR_CHECKS)
+
+
+def test_work_meter_counts_in_place_products_and_sums_its_phases() -> None:
+    """A gradient accumulated over chunks with `addmm_` is work too (torch's table lacks it), and a
+    forward and a backward counted apart add up."""
+    a, b, acc = torch.randn(4, 8), torch.randn(8, 3), torch.zeros(4, 3)
+    work = Work(active=True)
+    with work.counting():
+        acc.addmm_(a, b)
+    with work.counting():
+        torch.mm(a, b)
+    assert work.total == 2 * (2 * 4 * 8 * 3)
+    assert Work(active=False).total is None
 
 
 def test_logits_budget_separates_recompute_from_saved_logits() -> None:

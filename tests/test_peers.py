@@ -372,7 +372,39 @@ def test_a_tree_without_the_peer_s_routine_is_refused_not_run(tmp_path, monkeypa
     assert why and "none of its routines" in why and "vocab_parallel_entropy in" in why, why
     with pytest.raises(TargetError, match="none of its routines"):
         Runner(spec)
-    (pkg / "tensor_parallel.py").write_text("from x import vocab_parallel_entropy\n")
+    (pkg / "tensor_parallel.py").write_text("from math import fsum as vocab_parallel_entropy\n")
+    (tmp_path / "verl" / "__init__.py").write_text("")  # found, its module is imported (in a child): it must import
     assert absent_here(spec) is None
     importlib.import_module("harness.targets.peers.prime_rl")  # its tree lives under src/: it finds it itself
     assert absent_here("harness.targets.peers.prime_rl") is None
+
+
+def test_a_tree_whose_routine_does_not_import_here_is_refused_not_run(tmp_path, monkeypatch) -> None:
+    """The routine is in the tree, but its package does not import here (verl's 2025 commits import
+    `pkg_resources`, which this setuptools lacks): every case would be that ImportError as a `crash`.
+    The module is imported in a child process, this one's torch and environment untouched, and the
+    target refused with the error; an import that hangs is refused too."""
+    import sys
+
+    from harness.targets import peers as peers_module
+    from harness.targets.peers import absent_here
+
+    def tree(name: str, init: str) -> None:
+        (tmp_path / name / "fakepeer").mkdir(parents=True)
+        (tmp_path / name / "fakepeer" / "__init__.py").write_text(init)
+        (tmp_path / name / "fakepeer" / "ops.py").write_text("def log_probs(logits, tokens):\n    return logits\n")
+        monkeypatch.syspath_prepend(str(tmp_path / name))
+
+    monkeypatch.setitem(sys.modules, "fake_adapter", SimpleNamespace(HARNESS_PEER=dict(
+        requires=("fakepeer",), install="put fakepeer on PYTHONPATH",
+        upstream=("fakepeer.ops.log_probs", "fakepeer.ops.entropy"))))
+    tree("broken", "import a_module_that_does_not_exist\n")
+    assert absent_here("fake_adapter") == ("fake_adapter: fakepeer.ops cannot be imported here: "
+                                           "ModuleNotFoundError: No module named 'a_module_that_does_not_exist'")
+    assert "fakepeer" not in sys.modules
+    tree("fine", "")
+    assert absent_here("fake_adapter") is None
+    monkeypatch.setattr(peers_module, "IMPORT_PROBE_TIMEOUT_S", 1)
+    tree("hangs", "import time\ntime.sleep(60)\n")
+    assert absent_here("fake_adapter") == "fake_adapter: fakepeer.ops cannot be imported here: " \
+                                          "its import did not finish within 1 s"

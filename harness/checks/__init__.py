@@ -112,6 +112,11 @@ TARGET_LIMITS: dict[str, tuple[tuple[str, Callable[[Any], bool], str], ...]] = {
          "the routine is not tensor-parallel: at TP > 1 its adapter all-gathers the vocab shards, and what "
          "that costs is the adapter's, not the routine's (HARNESS_CAPABILITIES['tensor_parallel'] is False)"),
     ),
+    "work": (
+        ("eager", lambda c: True,
+         "the routine runs under torch.compile, whose compiled code runs past the FLOP counter's Python "
+         "dispatch mode, so its matmul work is not counted (HARNESS_CAPABILITIES['eager'] is False)"),
+    ),
 }
 # What a check may read that a case's shape does not give it: (which cases, why). A check that would
 # apply but reads one of these says "not applied: why" instead. "Which cases", as above, reads only
@@ -232,7 +237,7 @@ def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
 # The performance gate's checks (`harness.perf.gate`): they compare a run with a saved baseline,
 # not one case with the oracle, so they are not in the registry; findings and known entries name them.
 BASELINE_CHECKS = ("perf-time", "perf-instructions", "perf-collectives", "perf-memory")
-CHECK_MODULES = ("common", "kernel", "memory", "wrapper", "side_effects", "bitwise")  # the order of summaries, JSON and test ids
+CHECK_MODULES = ("common", "kernel", "memory", "work", "wrapper", "side_effects", "bitwise")  # the order of summaries, JSON and test ids
 
 
 def all_checks(bitwise: bool = False) -> dict[str, Check]:

@@ -11,6 +11,7 @@ defect in) and where it passes again (the one that fixed it); `--known` applies 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -18,7 +19,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,6 +35,9 @@ from harness.report.render import environment
 
 HARNESS_ROOT = Path(__file__).resolve().parents[2]  # what the checking processes import the harness from
 STOP_GRACE_S = 15  # after SIGTERM, how long a timed-out check may take to write what it found
+INTERRUPT_GRACE_S = 3  # after Ctrl-C or SIGTERM, how long the running checks get before SIGKILL: none is kept
+KILL_SWEEP_S = 5  # how long SIGKILL is sent again to what a stopped check's processes are still starting
+STOPPED = "not checked: the run was stopped"
 
 
 @dataclass
@@ -154,10 +160,95 @@ def check_command(ns: argparse.Namespace, json_path: Path) -> list[str]:
     return cmd
 
 
-def check_commit(git: Git, commit: Commit, ns: argparse.Namespace, workdir: Path,
-                 running: set[subprocess.Popen]) -> Outcome:
+class Checks:
+    """The `harness check` processes running, each the leader of a session of its own (its worker
+    pools and whatever else it starts are in it). Once `stop` is called, none starts."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # a check is never started after `stop` collected the running ones
+        self._running: set[subprocess.Popen] = set()
+        self.stopped = False
+
+    def start(self, cmd: list[str], **popen: Any) -> subprocess.Popen | None:
+        """The check, started; None once stopped."""
+        with self._lock:
+            if self.stopped:
+                return None
+            proc = subprocess.Popen(cmd, start_new_session=True, **popen)
+            self._running.add(proc)
+            return proc
+
+    def finished(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            self._running.discard(proc)
+
+    def stop(self, grace_s: float) -> None:
+        """Every running check stopped, all within `grace_s` (`stop_sessions`), and no new one started."""
+        with self._lock:
+            self.stopped = True
+            running = list(self._running)
+        stop_sessions(running, grace_s)
+
+
+def stop_sessions(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM to every process of the sessions these lead, all at once (a check writes what it found
+    and closes its pools), then SIGKILL to what is left of them after `grace_s`, exited leader or not.
+    Sessions, not process groups: ninja runs each compiler of the memory ledger's build in a group of
+    its own, and those outlived a check stopped mid-build."""
+    sessions = {proc.pid for proc in procs}
+    _signal_sessions(sessions, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    try:
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        # Again until none is left: a dying process may still have started one.
+        until = time.monotonic() + KILL_SWEEP_S
+        while _signal_sessions(sessions, signal.SIGKILL) and time.monotonic() < until:
+            time.sleep(0.05)
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # a leader in uninterruptible sleep
+                proc.wait(timeout=60)
+
+
+def _signal_sessions(sessions: set[int], sig: int) -> int:
+    """`sig` to every live process of these sessions (`/proc`; a zombie is dead already); how many."""
+    sent = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                state, _, _, session = f.read().rsplit(b")", 1)[1].split()[:4]  # after "pid (comm)"
+            if int(session) in sessions and state != b"Z":
+                os.kill(int(entry.name), sig)
+                sent += 1
+        except (OSError, ValueError):  # gone meanwhile
+            continue
+    return sent
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """Ctrl-C and SIGTERM ignored (in the main thread, where handlers live): a second one while the
+    checks are being stopped would leave the rest running."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def check_commit(git: Git, commit: Commit, ns: argparse.Namespace, workdir: Path, checks: Checks) -> Outcome:
     """`harness check` on one commit's tree, in its own process (session), stopped after
     `--commit-timeout` seconds: SIGTERM, so that it writes what it found, then SIGKILL."""
+    if checks.stopped:
+        return Outcome("error", reason=STOPPED)
     tree = workdir / commit.short
     tree.mkdir()
     start = time.perf_counter()
@@ -169,16 +260,17 @@ def check_commit(git: Git, commit: Commit, ns: argparse.Namespace, workdir: Path
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tree), str(HARNESS_ROOT),
                                                                       os.environ.get("PYTHONPATH")])))
     with open(workdir / f"{commit.short}.log", "w+") as log:
-        proc = subprocess.Popen(check_command(ns, out), cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        running.add(proc)
+        proc = checks.start(check_command(ns, out), cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
+        if proc is None:
+            return Outcome("error", reason=STOPPED)
         try:
             code = proc.wait(timeout=ns.commit_timeout)
             timed_out = False
         except subprocess.TimeoutExpired:
-            timed_out, code = True, _stop(proc)
+            stop_sessions([proc], STOP_GRACE_S)
+            timed_out, code = True, proc.returncode
         finally:
-            running.discard(proc)
+            checks.finished(proc)
         log.seek(0)
         tail = [line for line in log.read().splitlines() if line.strip()][-1:] or ["no output"]
     seconds = round(time.perf_counter() - start, 1)
@@ -191,25 +283,14 @@ def check_commit(git: Git, commit: Commit, ns: argparse.Namespace, workdir: Path
     return Outcome("checked", seconds, result=json.loads(out.read_text()))
 
 
-def _stop(proc: subprocess.Popen) -> int:
-    if proc.poll() is not None:
-        return proc.returncode
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        return proc.wait(timeout=STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        return proc.wait(timeout=60)
-
-
 def run_all(git: Git, todo: list[Commit], ns: argparse.Namespace, workdir: Path) -> dict[str, Outcome]:
     """Each commit's outcome, `--jobs` at a time, with a progress line per commit done."""
     outcomes: dict[str, Outcome] = {}
-    running: set[subprocess.Popen] = set()
+    checks = Checks()
     start = time.perf_counter()
     workers = ThreadPoolExecutor(max_workers=ns.jobs)
-    futures = {workers.submit(check_commit, git, c, ns, workdir, running): c for c in todo}
     try:
+        futures = {workers.submit(check_commit, git, c, ns, workdir, checks): c for c in todo}
         for done, future in enumerate(as_completed(futures), 1):
             commit = futures[future]
             outcome = outcomes[commit.sha] = future.result()
@@ -221,9 +302,11 @@ def run_all(git: Git, todo: list[Commit], ns: argparse.Namespace, workdir: Path)
                   f"({outcome.seconds:.0f}s); elapsed {elapsed:.0f}s, about {left:.0f}s left",
                   file=sys.stderr, flush=True)
     except BaseException:  # Ctrl-C, SIGTERM: the checks run in sessions of their own, stop them too
-        workers.shutdown(wait=False, cancel_futures=True)
-        for proc in list(running):
-            _stop(proc)
+        with _signals_ignored():
+            checks.stop(INTERRUPT_GRACE_S)
+        # The threads end with their checks (one exporting a tree ends before starting its check),
+        # before the trees are deleted; the interpreter would wait for them at exit anyway.
+        workers.shutdown(cancel_futures=True)
         raise
     workers.shutdown()
     return outcomes
@@ -251,14 +334,16 @@ def lead_finding(result: dict[str, Any], checks: set[str]) -> dict[str, Any] | N
 def history_rows(commits_: list[Commit], outcomes: dict[str, Outcome], repo: str = "", target: str = "",
                  device: str = "cpu") -> list[dict[str, Any]]:
     """One row per commit: its cells (`report.matrix`'s), each marked `introduced` where the family
-    fails after passing, `failing` where it fails on the first commit checked (it may be older), and
-    `fixed` where it passes after failing. A failing cell's repro is its shrunk finding's, as a line
-    that exports the commit itself (`repro_line`)."""
+    fails after passing (or has new findings where it had only known ones), `failing` where it fails
+    on the first commit checked (it may be older), and `fixed` where it passes after failing, or
+    where its new findings are gone and only known ones remain (the peer fixed what its known file
+    does not explain). A failing cell's repro is its shrunk finding's, as a line that exports the
+    commit itself (`repro_line`)."""
     families: dict[str, set[str]] = {}
     for chk in all_checks().values():
         families.setdefault(matrix.family(chk), set()).add(chk.name)
     rows: list[dict[str, Any]] = []
-    failing: dict[str, bool] = {}
+    before: dict[str, str] = {}  # family -> its state at the last commit checked so far
     for c in commits_:
         outcome = outcomes[c.same_as or c.sha]
         row = {"sha": c.sha, "short": c.short, "date": c.date, "subject": c.subject, "same_as": c.same_as,
@@ -277,13 +362,14 @@ def history_rows(commits_: list[Commit], outcomes: dict[str, Outcome], repo: str
                 if lead is not None:
                     cell.update(case=lead["case"], check=lead["check"], shrunk=lead.get("shrunk", False),
                                 repro=repro_line(repo, c.sha, target, lead["case"], device))
-                if fails and fam not in failing:
+                state, prev = cell["state"], before.get(fam)
+                if fails and prev is None:
                     cell["mark"] = "failing"
-                elif fails and not failing[fam]:
+                elif fails and (prev == "pass" or (state, prev) == ("finding", "known")):
                     cell["mark"] = "introduced"
-                elif not fails and failing.get(fam):
+                elif prev is not None and prev != state and prev != "pass" and state != "finding":
                     cell["mark"] = "fixed"
-                failing[fam] = fails
+                before[fam] = state
                 row["cells"][fam] = cell
         rows.append(row)
     return rows

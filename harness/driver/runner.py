@@ -38,8 +38,9 @@ def by_group(results: list[RankResult]) -> list[RankResult]:
 
 
 def _reads_memory(chk: Check) -> bool:
-    """Whether a check reads memory figures (of the call, or of the kernel pass a wrapper case makes)."""
-    return bool({"memory", "call-memory"} & set(chk.reads))
+    """Whether a check reads what the meters measure: memory figures (of the call, or of the kernel
+    pass a wrapper case makes) or matmul work, counted with them."""
+    return bool({"memory", "call-memory", "work"} & set(chk.reads))
 
 
 def _needs_rebuild(results: list[RankResult]) -> bool:

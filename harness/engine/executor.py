@@ -30,6 +30,7 @@ from harness.engine.observations import HARNESS_STEP, KernelPass, Observation, R
 from harness.engine.process_state import watched, watching
 from harness.meters import trace
 from harness.meters.memory import Meter
+from harness.meters.work import Work
 from harness.targets import Target, load_target
 from reference.cp import response_positions
 
@@ -181,12 +182,15 @@ def run_linear(case: LinearCase, target: Target, rank: int, group: Any, device: 
     other = LinearShard.of(case.second(), rank, device) if case.context == "two_inputs" else None
     integrity = _Integrity(hidden=inp.hidden, weight=inp.weight, tokens=inp.tokens)
     meter = Meter((inp.hidden, inp.weight, inp.tokens), device, meter_memory and metered(target))
-    log_prob, entropy = _observed_call(inp, target, case, group, meter, integrity, obs)
-    loss = inp.loss(log_prob, entropy)
+    # One call's matmul work, counted where its memory is (a second call would add its own).
+    work = Work(meter.active and case.context == "train")
+    with work.counting():
+        log_prob, entropy = _observed_call(inp, target, case, group, meter, integrity, obs)
+        loss = inp.loss(log_prob, entropy)
     if other is not None:  # another batch of hidden states (and head) through a second call, one graph
         loss = loss + other.loss(*_call(other, target, case, group))
     if isinstance(loss, torch.Tensor) and loss.requires_grad:
-        with watched(f"{case.level} backward"), meter.backward():
+        with watched(f"{case.level} backward"), meter.backward(), work.counting():
             loss.backward()
         meter.gradients(inp.weight.grad, inp.hidden_grad())
         if other is not None:
@@ -195,6 +199,7 @@ def run_linear(case: LinearCase, target: Target, rank: int, group: Any, device: 
         obs.grad_hidden, obs.grad_hidden_meta = _detached(inp.hidden_grad()), TensorMeta.of(inp.hidden_grad())
         obs.integrity += integrity.problems("backward")
     obs.memory = meter.figures
+    obs.flops = work.total
     obs.stage = "backward"
 
 

@@ -71,7 +71,8 @@ class NoWeightGradIfHiddenFrozen(Linear):
 
 
 @mutant("linear-frozen-weight-grad-computed", "the weight gradient computed although the LM head is frozen",
-        ("memory-budget",), "a trainer's case: LoRA / adapter fine-tuning freezes the LM head", levels=LINEAR)
+        ("memory-budget", "frozen-input-work"), "a trainer's case: LoRA / adapter fine-tuning freezes the LM head",
+        levels=LINEAR)
 class FrozenWeightGradComputed(Linear):
     def linear_backward(self, ctx, grad_log_prob, grad_entropy):
         class AsksForBoth(_Ctx):

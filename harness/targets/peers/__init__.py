@@ -23,8 +23,11 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import json
 import pkgutil
+import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,12 +102,67 @@ def defines(module: str, name: str) -> bool | None:
     return None if file is None else name in _bound_names(file)
 
 
+# A peer's tree whose routine is there may still not import here (a 2025 verl imports pkg_resources,
+# which this setuptools no longer has): every case would be that ImportError as a `crash`.
+IMPORT_PROBE_TIMEOUT_S = 180
+# The child imports the module on this process's sys.path and writes the error's line after a
+# marker (warnings share its stderr); os._exit skips the teardown of whatever the import started.
+_MARK = "harness-import-probe: "
+_PROBE = f"""
+import importlib, json, os, sys
+sys.path[:] = json.loads(sys.argv[1])
+try:
+    importlib.import_module(sys.argv[2])
+except BaseException as e:
+    said = [line.strip() for line in str(e).splitlines() if line.strip()]
+    print("", {_MARK!r} + ": ".join([type(e).__name__, *said[-1:]]), sep="\\n", file=sys.stderr, flush=True)
+    os._exit(1)
+os._exit(0)
+"""
+_import_errors: dict[tuple[str, tuple[str, ...]], str | None] = {}  # (module, sys.path): its error, None: imports
+
+
+def _import_error(module: str) -> str | None:
+    """Why `module` cannot be imported here, in one line, or None: imported in a child process (on
+    this sys.path), since a trainer's import can change torch's settings and the environment of the
+    process that imports it. Once per module and sys.path in a process."""
+    key = (module, tuple(sys.path))
+    if key not in _import_errors:
+        _import_errors[key] = _probe_import(module)
+    return _import_errors[key]
+
+
+def _installed(file: Path) -> bool:
+    """Whether `file` belongs to an installed distribution, whose import is taken to work: probing
+    costs the peer's whole import (seconds), paid only for a tree put on the path (a commit's)."""
+    return not {"site-packages", "dist-packages"}.isdisjoint(file.parts)
+
+
+def _probe_import(module: str) -> str | None:
+    # stderr goes to a file, not a pipe: a process the import leaves behind cannot hold the probe open.
+    with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as err:
+        try:
+            proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(sys.path), module],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                  timeout=IMPORT_PROBE_TIMEOUT_S, check=False)
+        except subprocess.TimeoutExpired:
+            return f"its import did not finish within {IMPORT_PROBE_TIMEOUT_S} s"
+        if proc.returncode == 0:
+            return None
+        err.seek(0)
+        lines = [line.strip() for line in err.read().splitlines() if line.strip()]
+    marked = [line.removeprefix(_MARK) for line in lines if line.startswith(_MARK)]
+    return (marked or lines or [f"the importing process exited {proc.returncode}"])[-1]
+
+
 def absent_here(spec: str) -> str | None:
     """Why the peer adapter `spec` has nothing to call here, or None: a required module not
-    installed, or a tree on `sys.path` none of whose upstream functions exists (a commit before the
-    routine, after it moved). Read from the source, not imported, so that `harness check` refuses
-    such a target (and `harness history` marks the commit untestable) instead of reporting every
-    case as the adapter's import error. Adapters that import inside their calls rely on it."""
+    installed, a tree on `sys.path` none of whose upstream functions exists (a commit before the
+    routine, after it moved), or one whose functions' modules do not import here. The functions are
+    found in the source, not imported (a package `__init__` imports a training stack), and their
+    modules are imported in a child process, so that `harness check` refuses such a target (and
+    `harness history` marks the commit untestable) instead of reporting every case as the adapter's
+    import error. Adapters that import inside their calls rely on it."""
     module = sys.modules.get(spec)
     meta = getattr(module, "HARNESS_PEER", None)
     if meta is None or isinstance(getattr(module, "SOURCE", None), PeerSource):
@@ -112,16 +170,21 @@ def absent_here(spec: str) -> str | None:
     missing = _missing(meta["requires"])
     if missing:
         return f"{spec} needs {', '.join(missing)}, not installed here: {meta['install']}"
-    where = []
+    where: list[str] = []
+    unimportable = None  # the first found whose module fails to import: the reason, unless another imports
     for path in meta["upstream"]:
         owner, _, name = path.split()[0].rpartition(".")  # an entry may carry a note: "pkg.fn (impl=...)"
         file = _source_file(owner)
         if file is None and _source_file(owner.split(".")[0]) is None:
             return None  # installed where a path scan cannot see (an import hook): the calls will tell
-        if file is not None and name in _bound_names(file):
+        if file is None or name not in _bound_names(file):
+            where.append(f"{name} in {file or owner}")
+            continue
+        error = None if _installed(file) else _import_error(owner)
+        if error is None:
             return None
-        where.append(f"{name} in {file or owner}")
-    return f"{spec}: the tree on sys.path has none of its routines ({'; '.join(where)})"
+        unimportable = unimportable or f"{spec}: {owner} cannot be imported here: {error}"
+    return unimportable or f"{spec}: the tree on sys.path has none of its routines ({'; '.join(where)})"
 
 
 def peers() -> list[Peer]:

@@ -1,14 +1,18 @@
 """verl's pure-torch fused linear for PPO, `FusedLinearForPPO`, as a fused-linear target.
 
 `verl.utils.experimental.torch_functional.FusedLinearForPPO(chunk_size=512)` takes hidden states
-`[T, H]` and the LM head's weight `[V, H]` and returns `(log_probs float32, entropy in the hidden
-dtype)`, computing the logits per chunk of rows (upcast to float32) and recomputing them in a
+`[B, T, H]` (or `[T, H]`) and the LM head's weight `[V, H]` and returns `(log_probs float32, entropy
+in the hidden dtype)`, each `[B, T]`, computing the logits per chunk of rows (upcast to float32) and recomputing them in a
 hand-written backward. It is not tensor-parallel (no process group): at TP > 1 the adapter
 all-gathers the weight's vocab shards (`_mpu.gather_vocab`, whose backward returns each rank its
 own rows of the weight gradient), so every rank computes the full-vocab answer and the full hidden
 gradient, as the contract asks. Both outputs always carry autograd history when an input requires
 grad (no metric-only flag); with `with_entropy=False` the adapter drops the entropy verl computes
-anyway. `chunk_size <= 0` means verl's default, 512. The `impl_backend="torch"` path is checked
+anyway. `chunk_size <= 0` means verl's default, 512. The hidden states go in as verl's model
+forwards hand them over (`verl/models/transformers/dense_common.py`: the decoder's `outputs[0]`,
+`[B, T, H]`, with `[B, T]` labels): the case's hidden states as a batch of one, `hidden.unsqueeze(0)`,
+a view. That is the path verl #6913 fixed (its forward flattened the batch under no_grad and so
+lost the hidden states' `requires_grad`). The `impl_backend="torch"` path is checked
 (the Triton one needs CUDA).
 """
 from __future__ import annotations
@@ -34,6 +38,6 @@ def calculate_linear_log_probs_and_entropy(hidden, weight, tokens, tp_group, wit
     # verl's first forms (before its Triton backend) take no impl_backend: they are the torch path.
     takes_backend = "impl_backend" in inspect.signature(FusedLinearForPPO.__init__).parameters
     fused = FusedLinearForPPO(chunk_size=chunk, impl_backend="torch") if takes_backend else FusedLinearForPPO(chunk_size=chunk)
-    tokens = tokens.reshape(-1).to(device=hidden.device, dtype=torch.long)
-    log_prob, entropy = fused(hidden, gather_vocab(weight, tp_group, dim=0), tokens)
-    return log_prob, entropy if with_entropy else None
+    tokens = tokens.reshape(1, -1).to(device=hidden.device, dtype=torch.long)
+    log_prob, entropy = fused(hidden.unsqueeze(0), gather_vocab(weight, tp_group, dim=0), tokens)
+    return log_prob[0], entropy[0] if with_entropy else None
