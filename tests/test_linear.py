@@ -91,13 +91,13 @@ def test_work_meter_counts_in_place_products_and_sums_its_phases() -> None:
     """A gradient accumulated over chunks with `addmm_` is work too (torch's table lacks it), and a
     forward and a backward counted apart add up."""
     a, b, acc = torch.randn(4, 8), torch.randn(8, 3), torch.zeros(4, 3)
-    work = Work(active=True)
+    work = Work()
+    assert work.total is None
     with work.counting():
         acc.addmm_(a, b)
     with work.counting():
         torch.mm(a, b)
     assert work.total == 2 * (2 * 4 * 8 * 3)
-    assert Work(active=False).total is None
 
 
 def test_logits_budget_separates_recompute_from_saved_logits() -> None:

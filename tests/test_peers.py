@@ -69,6 +69,15 @@ WITNESSES: dict[str, list[tuple[str, str]]] = {
                 ("kernel:tp=1,T=0,v_local=4,with_entropy=0,chunk_size=2", "empty-input")],
     "nemo_rl_unpacked": [("wrapper:tp=2,v_local=3,total_lengths=4/6,response_lengths=2/3,with_entropy=0,"
                           "layout=transposed", "crash")],
+    "ms_swift": [("kernel:tp=2,T=1,v_local=4,with_entropy=0,with_entropy_grad=0", "gradients"),
+                 ("kernel:tp=2,T=2,v_local=4,regime=neginf,with_entropy=0,with_entropy_grad=0", "finite"),
+                 ("kernel:tp=1,T=0,v_local=4", "empty-input"),
+                 ("kernel:tp=1,T=1,v_local=4,dtype=bf16", "shapes-dtypes")],
+    "prime_rl": [("linear:tp=1,T=1,H=8,v_local=4", "crash"),
+                 ("linear:tp=1,T=1,H=8,v_local=4,dtype=bf16,with_entropy=0,with_entropy_grad=0", "values")],
+    "skyrl": [("kernel:tp=2,T=6,v_local=5,chunk_size=4,seed=14,layout=transposed", "crash"),
+              ("kernel:tp=2,T=6,v_local=5,regime=neginf,seed=1", "finite"),
+              ("kernel:tp=2,T=8,v_local=64,dtype=bf16,seed=21", "shapes-dtypes")],
     "trl": [("kernel:tp=2,T=6,v_local=5,regime=neginf,seed=1", "finite"),
             ("kernel:tp=1,T=4,v_local=8,dtype=bf16,seed=2", "shapes-dtypes"),
             ("kernel:tp=1,T=0,v_local=4", "empty-input")],
@@ -243,7 +252,9 @@ def test_a_compiled_routine_compiles_each_signature_as_a_fresh_process_would(mon
     """A worker runs a whole run's sizes through one process; a routine declared compiled (Cut
     Cross-Entropy, fullgraph=True) must not fail a case because earlier cases used up Dynamo's
     recompile limit, nor run a dynamic-shape graph only because another size came first. A routine
-    not declared compiled keeps torch's defaults: there the second size compiles a dynamic graph."""
+    not declared compiled keeps torch's automatic dynamic shapes (the second size compiles a dynamic
+    graph), and no recompile limit either: what it compiles itself never falls back to eager only
+    because a worker has seen many signatures."""
     import torch
     import torch._dynamo
 
@@ -271,7 +282,10 @@ def test_a_compiled_routine_compiles_each_signature_as_a_fresh_process_would(mon
             compile_per_signature(eager)
             fn(torch.ones(n))
         assert len(graphs) == 2 and "s" in graphs[1], f"torch's defaults: the second size goes dynamic {graphs}"
-        assert torch._dynamo.config.recompile_limit == 2
+        for dtype in (torch.float64, torch.float16, torch.bfloat16, torch.int64):  # past the limit of 2
+            compile_per_signature(eager)
+            fn(torch.ones(3, dtype=dtype))
+        assert len(graphs) == 6, f"every signature compiled, none left to run eagerly: {graphs}"
     finally:
         torch._dynamo.reset()
 

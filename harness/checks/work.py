@@ -5,33 +5,27 @@ from __future__ import annotations
 from cases.case import LinearCase
 from harness.checks import Evidence, check
 
-NAME = "frozen-input-work"
 
-
-def _with_both_trainable(c: LinearCase) -> LinearCase:
-    return c.replace(frozen="none")
-
-
-@check(NAME, levels=("linear",),
+@check("frozen-input-work", levels=("linear",),
        applies=lambda c, t: c.T > 0 and c.requires_grad and c.frozen != "none" and c.context == "train",
-       twin=_with_both_trainable, reads=("work",))
+       reads=("work",))
 def frozen_input_work(ev: Evidence) -> list[str]:
     """A frozen input's gradient is not computed. Either input's gradient is a product of
     2*T*V_local*H floating-point operations on each rank (the weight shard's dlogits^T @ hidden,
     the hidden states' dlogits @ weight): with one input frozen (a LoRA run's LM head, a frozen
     trunk) the call, forward and backward together, must run at least half of that fewer matmul
-    FLOPs than the same call with both inputs trainable. A routine that allocates and accumulates
-    the frozen input's gradient and lets autograd drop it (prime-rl before its #3011) fails.
-    Judged only where the trainable call's counted matmuls cover its forward logits and both
-    gradients (6*T*V_local*H): a routine whose products run outside torch's matmul ops (its own
-    kernels, elementwise sums) leaves nothing to compare."""
+    FLOPs than the same call with both inputs trainable (each counted in a call of its own,
+    `executor.frozen_and_trainable_work`). A routine that allocates and accumulates the frozen
+    input's gradient and lets autograd drop it (prime-rl before its #3011) fails. Judged only where
+    the trainable call's counted matmuls cover its forward logits and both gradients
+    (6*T*V_local*H): a routine whose products run outside torch's matmul ops (its own kernels,
+    elementwise sums) leaves nothing to compare."""
     c = ev.case
     assert isinstance(c, LinearCase)
     one_product = 2 * c.T * c.v_local * c.H
-    twin = ev.twins[NAME]
     problems = []
     for r in range(len(ev.ranks)):
-        frozen, both = ev.obs(r).flops, twin.obs(r).flops if r < len(twin.ranks) else None
+        frozen, both = ev.obs(r).work or (None, None)
         if frozen is None or both is None or both < 3 * one_product:
             continue
         if both - frozen < one_product // 2:

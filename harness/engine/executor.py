@@ -79,27 +79,26 @@ _DYNAMO_DEFAULTS: tuple[bool, int, int] | None = None  # torch's settings, kept 
 
 
 def compile_per_signature(target: Target) -> None:
-    """Before each case of a compiled routine (`eager` False): every distinct signature (sizes,
-    dtypes, grad mode) compiles once, statically, as a process of its own compiles its first call,
-    and stays cached. So a case is judged on what it does, as `harness repro` runs it alone, and
-    not on what earlier cases left in this worker: with torch's defaults a size seen second would
-    compile a dynamic-shape graph (whose last bits may differ), and a pool process, which sees
-    every size of a whole run, would reach Dynamo's recompile limit, past which a fullgraph=True
-    routine raises and any other runs eagerly. A routine that does not declare `eager` False runs
-    under torch's defaults, as in training."""
+    """Before each case: every distinct signature (sizes, dtypes, grad mode) of a compiled routine
+    (`eager` False) compiles once, statically, as a process of its own compiles its first call, and
+    stays cached. So a case is judged on what it does, as `harness repro` runs it alone, and not on
+    what earlier cases left in this worker: with torch's defaults a size seen second would compile
+    a dynamic-shape graph (whose last bits may differ), and a pool process, which sees every size,
+    dtype and grad mode of a whole run, far more than one training process does, would reach
+    Dynamo's recompile limit, past which a fullgraph=True routine raises and any other runs eagerly.
+    A routine that does not declare `eager` False keeps torch's automatic dynamic shapes, as in
+    training, and the recompile limits are lifted for it too: a helper it compiles itself (verl's
+    `mul_reduce`) would otherwise run compiled for the signatures a worker met first and eagerly
+    for the later ones, and a no-grad call could differ in its last bits from the training path
+    only because of the cases that ran before it in that worker."""
     global _DYNAMO_DEFAULTS
-    if target.supports("eager") and _DYNAMO_DEFAULTS is None:
-        return
     import torch._dynamo.config as dynamo
 
     if _DYNAMO_DEFAULTS is None:
         _DYNAMO_DEFAULTS = (dynamo.automatic_dynamic_shapes, dynamo.recompile_limit,
                             dynamo.accumulated_recompile_limit)
-    if target.supports("eager"):
-        dynamo.automatic_dynamic_shapes, dynamo.recompile_limit, dynamo.accumulated_recompile_limit = _DYNAMO_DEFAULTS
-    else:
-        dynamo.automatic_dynamic_shapes = False
-        dynamo.recompile_limit = dynamo.accumulated_recompile_limit = 1 << 30
+    dynamo.automatic_dynamic_shapes = _DYNAMO_DEFAULTS[0] if target.supports("eager") else False
+    dynamo.recompile_limit = dynamo.accumulated_recompile_limit = 1 << 30
 
 
 def _observed_call(inp: Any, target: Target, case: Any, group: Any, meter: Meter, integrity: "_Integrity",
@@ -182,15 +181,12 @@ def run_linear(case: LinearCase, target: Target, rank: int, group: Any, device: 
     other = LinearShard.of(case.second(), rank, device) if case.context == "two_inputs" else None
     integrity = _Integrity(hidden=inp.hidden, weight=inp.weight, tokens=inp.tokens)
     meter = Meter((inp.hidden, inp.weight, inp.tokens), device, meter_memory and metered(target))
-    # One call's matmul work, counted where its memory is (a second call would add its own).
-    work = Work(meter.active and case.context == "train")
-    with work.counting():
-        log_prob, entropy = _observed_call(inp, target, case, group, meter, integrity, obs)
-        loss = inp.loss(log_prob, entropy)
+    log_prob, entropy = _observed_call(inp, target, case, group, meter, integrity, obs)
+    loss = inp.loss(log_prob, entropy)
     if other is not None:  # another batch of hidden states (and head) through a second call, one graph
         loss = loss + other.loss(*_call(other, target, case, group))
     if isinstance(loss, torch.Tensor) and loss.requires_grad:
-        with watched(f"{case.level} backward"), meter.backward(), work.counting():
+        with watched(f"{case.level} backward"), meter.backward():
             loss.backward()
         meter.gradients(inp.weight.grad, inp.hidden_grad())
         if other is not None:
@@ -199,8 +195,30 @@ def run_linear(case: LinearCase, target: Target, rank: int, group: Any, device: 
         obs.grad_hidden, obs.grad_hidden_meta = _detached(inp.hidden_grad()), TensorMeta.of(inp.hidden_grad())
         obs.integrity += integrity.problems("backward")
     obs.memory = meter.figures
-    obs.flops = work.total
     obs.stage = "backward"
+    if meter.active and case.frozen != "none" and case.context == "train" and case.T > 0:
+        obs.work = frozen_and_trainable_work(case, target, rank, group, device)
+
+
+def frozen_and_trainable_work(case: LinearCase, target: Target, rank: int, group: Any,
+                              device: torch.device) -> tuple[int | None, int | None]:
+    """The matmul FLOPs of one forward and backward of a case with a frozen input, and of the same
+    case with both inputs trainable (`frozen-input-work`), each a call of its own after the observed
+    one, on fresh inputs. The FLOP counter's dispatch mode costs tens of microseconds an op, so
+    only these cases pay it, and the observed call runs without it; their collectives stay out of
+    the job's trace. A call that raises counts nothing (the observed call has said why)."""
+    counts = []
+    for c in (case, case.replace(frozen="none")):
+        inp, work = LinearShard.of(c, rank, device), Work()
+        try:
+            with trace.recording(), watched("linear call, its matmul work counted"), work.counting():
+                loss = inp.loss(*inp.call(target, c, group))
+                if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                    loss.backward()
+        except Exception:  # noqa: BLE001 - the observed call reports the routine's errors
+            work.total = None
+        counts.append(work.total)
+    return counts[0], counts[1]
 
 
 def wants_kernel_pass(case: Case, target: Target) -> bool:

@@ -66,7 +66,9 @@ class Observation:
     integrity: list[str] = field(default_factory=list)  # problems with the caller's inputs after the call
     side_effects: list[str] = field(default_factory=list)  # process-global state a call left changed (`process_state`)
     memory: dict[str, Any] = field(default_factory=dict)  # `meters.memory.Meter.figures`
-    flops: Optional[int] = None  # linear level: the call's matmul work, forward and backward (`meters.work`)
+    # Linear level, a frozen input: the matmul FLOPs of a forward and backward with it frozen, and
+    # with both inputs trainable (`executor.frozen_and_trainable_work`).
+    work: Optional[tuple[Optional[int], Optional[int]]] = None
     n_forward_collectives: Optional[int] = None  # wrapper: how many of the trace's collectives the forward issued
     kernel_pass: Optional[KernelPass] = None
     # A call without autograd (no_grad, inference_mode): the outputs of the same call on the

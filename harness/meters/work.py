@@ -31,17 +31,14 @@ IN_PLACE = {_aten.addmm_: _as_registered(_aten.addmm), _aten.baddbmm_: _as_regis
 
 class Work:
     """Counts while `counting()` is entered, summed over its entries (a forward, then a backward);
-    `total` is None when inactive."""
+    `total` is None until something was counted."""
 
-    def __init__(self, active: bool):
-        self._mode = FlopCounterMode(display=False, custom_mapping=IN_PLACE) if active else None
+    def __init__(self) -> None:
+        self._mode = FlopCounterMode(display=False, custom_mapping=IN_PLACE)
         self.total: int | None = None
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
-        if self._mode is None:
-            yield
-            return
         with self._mode:  # entering clears its counts
             yield
         self.total = (self.total or 0) + self._mode.get_total_flops()
