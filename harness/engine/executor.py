@@ -75,7 +75,7 @@ def metered(target: Target) -> bool:
     return target.supports("eager")
 
 
-_DYNAMO_DEFAULTS: tuple[bool, int, int] | None = None  # torch's settings, kept the first time they are changed
+_AUTOMATIC_DYNAMIC: bool | None = None  # torch's setting, kept the first time it is changed
 
 
 def compile_per_signature(target: Target) -> None:
@@ -91,13 +91,12 @@ def compile_per_signature(target: Target) -> None:
     `mul_reduce`) would otherwise run compiled for the signatures a worker met first and eagerly
     for the later ones, and a no-grad call could differ in its last bits from the training path
     only because of the cases that ran before it in that worker."""
-    global _DYNAMO_DEFAULTS
+    global _AUTOMATIC_DYNAMIC
     import torch._dynamo.config as dynamo
 
-    if _DYNAMO_DEFAULTS is None:
-        _DYNAMO_DEFAULTS = (dynamo.automatic_dynamic_shapes, dynamo.recompile_limit,
-                            dynamo.accumulated_recompile_limit)
-    dynamo.automatic_dynamic_shapes = _DYNAMO_DEFAULTS[0] if target.supports("eager") else False
+    if _AUTOMATIC_DYNAMIC is None:
+        _AUTOMATIC_DYNAMIC = dynamo.automatic_dynamic_shapes
+    dynamo.automatic_dynamic_shapes = _AUTOMATIC_DYNAMIC if target.supports("eager") else False
     dynamo.recompile_limit = dynamo.accumulated_recompile_limit = 1 << 30
 
 
@@ -196,7 +195,7 @@ def run_linear(case: LinearCase, target: Target, rank: int, group: Any, device: 
         obs.integrity += integrity.problems("backward")
     obs.memory = meter.figures
     obs.stage = "backward"
-    if meter.active and case.frozen != "none" and case.context == "train" and case.T > 0:
+    if meter.active and case.requires_grad and case.frozen != "none" and case.context == "train" and case.T > 0:
         obs.work = frozen_and_trainable_work(case, target, rank, group, device)
 
 
