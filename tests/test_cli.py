@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from cases.case import parse_case
+from harness.cases.case import parse_case
 from harness.cli import main
 
 pytestmark = pytest.mark.distributed
@@ -116,19 +116,19 @@ def test_an_error_raised_after_an_interrupt_still_ends_as_interrupted(monkeypatc
     """Hypothesis, interrupted while it starts its engine, raises AssertionError, not the interrupt."""
     from harness import cli
     from harness.commands import check
-    from harness.driver import process
+    from harness.driver import lifecycle
 
     def broken(interrupted: bool):
         def command(ns, cfg):
             if interrupted:
-                monkeypatch.setattr(process, "_interrupted", signal.SIGINT)  # as Ctrl-C's handler records it
+                monkeypatch.setattr(lifecycle, "_interrupted", signal.SIGINT)  # as Ctrl-C's handler records it
             raise AssertionError("state._runner is not None")
         return command
 
     monkeypatch.setattr(check, "cmd_check", broken(interrupted=True))
     assert cli.main(["check", "--profile", "smoke"]) == 130
     assert "interrupted by SIGINT" in capsys.readouterr().err
-    monkeypatch.setattr(process, "_interrupted", 0)
+    monkeypatch.setattr(lifecycle, "_interrupted", 0)
     monkeypatch.setattr(check, "cmd_check", broken(interrupted=False))
     with pytest.raises(AssertionError):  # without an interrupt, an error is an error
         cli.main(["check", "--profile", "smoke"])
