@@ -149,6 +149,7 @@ class Check:
     explain: ExplainFn | None = None
     twin_in_same_process: bool = False
     requires: RequiresFn | None = None
+    terms: bool = False  # its problems name the output they are about: a finding per term (`checks.terms`)
 
     def excluded(self, target: Target, tp: int, cp: int = 1) -> str | None:
         """Why no case of a family (this TP and CP size) can be checked on this target, decided
@@ -214,7 +215,8 @@ def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
           twin: Callable[[Any], Case | None] | None = None,
           needs: str | None = "backward", min_ranks: int = 1, reads: tuple[str, ...] = (),
           family: str = "default", explain: ExplainFn | None = None,
-          twin_in_same_process: bool = False, requires: RequiresFn | None = None) -> Callable[[CheckFn], CheckFn]:
+          twin_in_same_process: bool = False, requires: RequiresFn | None = None,
+          terms: bool = False) -> Callable[[CheckFn], CheckFn]:
     """Register a check. `needs`: the stage ("forward" or "backward") every rank must have completed
     for the check to have evidence (a rank that raised earlier is `crash`'s finding); None: always.
     `twin`: a second case the check compares against, or None to skip; it runs alongside the case, on
@@ -222,7 +224,9 @@ def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
     compares what a process keeps between calls: memory figures, a repeated call's bits).
     `min_ranks`: the fewest ranks sharing one sequence (TP x CP: `ranks`) at which the check can fail at all. `reads`: what of a call the
     check reads that some call contexts lack (CONTEXT_LIMITS). `family`: "bitwise" checks run only
-    when asked for (`--bitwise`). `explain`: see ExplainFn. `requires`: see RequiresFn."""
+    when asked for (`--bitwise`). `explain`: see ExplainFn. `requires`: see RequiresFn.
+    `terms`: each problem the check reports names the output it is about (the log-prob, the entropy,
+    a gradient), so its findings are split by loss term (`checks.terms`): one defect per family."""
     unknown = set(reads) - set(CONTEXT_LIMITS) - set(TARGET_LIMITS) - set(CASE_LIMITS)
     if unknown or family not in FAMILIES:
         raise ValueError(f"check {name!r}: unknown reads {sorted(unknown)} or family {family!r}")
@@ -232,7 +236,7 @@ def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
             raise ValueError(f"check {name!r} registered twice")
         REGISTRY[name] = Check(name, levels, fn, applies, twin, needs, min_ranks,
                                (fn.__doc__ or "").strip(), tuple(reads), family, explain, twin_in_same_process,
-                               requires)
+                               requires, terms)
         return fn
     return register
 

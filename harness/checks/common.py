@@ -2,6 +2,8 @@
 rank issues the same collectives, and the caller's inputs survive."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from harness.checks import CALL_LEVELS, Evidence, bitwise_diff, check
@@ -18,16 +20,39 @@ def _crashed(ev: Evidence) -> list:
     return [r for r in ev.failed_ranks if r.error_kind not in (*HANG_KINDS, HARNESS_STEP)]
 
 
+def takes_cp(ev: Evidence) -> str:
+    """What shows that the wrapper implements context parallelism: it asked parallel_state for its
+    CP group, rank or size during the case, or its signature takes a CP argument; "" when nothing does."""
+    if any(r.obs.cp_queried for r in ev.ranks):
+        return "it asks megatron-core's parallel_state for its context-parallel group, rank or size"
+    try:
+        params = inspect.signature(ev.target.wrapper).parameters if ev.target.wrapper is not None else {}
+    except (TypeError, ValueError):
+        params = {}
+    named = [p for p in params if p.startswith("cp_") or p.endswith("_cp") or "context_parallel" in p]
+    return f"its signature takes {', '.join(named)}" if named else ""
+
+
+def cp_hint(ev: Evidence) -> str:
+    """After "wrong only at CP > 1": the capability line for a wrapper that shows no CP of its own
+    (following it for one that implements CP would hide a defect of its CP path), or what shows it."""
+    shown = takes_cp(ev)
+    if shown:
+        return (f"the wrapper implements context parallelism ({shown}), so this is a defect of its CP path "
+                "(declaring `HARNESS_CAPABILITIES = {\"context_parallel\": False}` would only hide it)")
+    return ("the wrapper never asked parallel_state for a context-parallel group, rank or size and takes no CP "
+            "argument: a wrapper without context parallelism declares so in its module, "
+            "`HARNESS_CAPABILITIES = {\"context_parallel\": False}`, and is then checked at CP 1 only")
+
+
 def _only_at_cp(ev: Evidence, run) -> str:
     """At CP > 1, whether the same case at CP 1 runs: then the routine fails only with context
-    parallelism, and a routine without it says so in one line."""
+    parallelism, and the finding says whether the wrapper shows CP of its own (`cp_hint`)."""
     if getattr(ev.case, "cp", 1) == 1 or not ev.target.supports("context_parallel"):
         return ""
     if _crashed(run(ev.case.replace(cp=1, cp_layout="zigzag"))):
         return ""
-    return ("it raised only at CP > 1 (the same case at CP 1 runs): a wrapper without context parallelism "
-            "declares so in its module, `HARNESS_CAPABILITIES = {\"context_parallel\": False}`, and is then "
-            "checked at CP 1 only")
+    return f"it raised only at CP > 1 (the same case at CP 1 runs): {cp_hint(ev)}"
 
 
 @check("crash", levels=CALL_LEVELS, applies=lambda c, t: c.T > 0, needs=None, explain=_only_at_cp)
@@ -98,7 +123,7 @@ def _diverge(ranks: list, trace, over: str = "", stopped: bool = False) -> list[
     return [f"ranks diverge{over}: {counts}; first difference at collective #{first + 1}: {detail}"]
 
 
-@check("inference-path", applies=lambda c, t: c.T > 0 and not c.autograd)
+@check("inference-path", applies=lambda c, t: c.T > 0 and not c.autograd, terms=True)
 def inference_path(ev: Evidence) -> list[str]:
     """A call under torch.no_grad() or torch.inference_mode() (how trainers recompute old-policy
     and reference log-probs) returns what the training path returns on the same inputs, bit for

@@ -6,6 +6,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from harness.cases.case import Case
+from harness.checks.families import family_key
+
+IN_USE, BEYOND_USE = "in-use", "beyond-use"
 
 
 @dataclass
@@ -18,14 +21,35 @@ class Finding:
     ranks: list[int] = field(default_factory=list)
     shrunk: bool = False
     known: str = ""  # the known-findings entry it matched (harness.checks.known), "" for a new finding
+    term: str = ""  # the output term it is about ("log-prob", "entropy"; `checks.terms`), "" for none
+    context: str = ""  # the call context that decides it (`checks.families.context_of`), "" for none
+    use: str = IN_USE  # IN_USE, or BEYOND_USE: on inputs the target's own callers never make (HARNESS_USE)
+    beyond: str = ""  # why it is beyond the target's use: the HARNESS_USE entry's `why`
+    script: str = ""  # the line that writes its stand-alone script (`script_command`), where one can be written
+
+    @property
+    def family(self) -> str:
+        return family_key(self.check, self.term, self.context)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return asdict(self) | {"family": self.family}
+
+
+def from_json(data: dict[str, Any]) -> Finding:
+    """A finding of a result JSON (`to_json`) back."""
+    return Finding(**{k: v for k, v in data.items() if k in Finding.__dataclass_fields__})
 
 
 def repro_command(target: str, case: Case, env: str = "") -> str:
     """`env`: what the line must set to import the target from anywhere (`targets.repro_env`)."""
     return f"{env}python -m harness repro --target {shlex.quote(target)} {shlex.quote(case.spec())}"
+
+
+def script_command(repro: str, check: str, term: str = "") -> str:
+    """The repro line that writes the finding's stand-alone script for the routine's maintainers
+    (`harness repro --script`: torch and the routine's own code, no harness)."""
+    name = "_".join(p.replace("-", "_") for p in (check, term) if p)
+    return f"{repro} --check {check}" + (f" --term {term}" if term else "") + f" --script {name}_repro.py"
 
 
 START, SHRUNK, LEAD, FOLDED = "start", "shrunk", "lead", "folded"  # a finding's place in `reading_order`

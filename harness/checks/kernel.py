@@ -29,7 +29,7 @@ def _nonempty(c: KernelCase, t) -> bool:
     return c.T > 0
 
 
-@check("values", levels=TOKEN_LEVELS, applies=_nonempty, needs="forward")
+@check("values", levels=TOKEN_LEVELS, applies=_nonempty, needs="forward", terms=True)
 def values(ev: Evidence) -> list[str]:
     """log-probs and entropy match the float64 oracle of the same input values, at float32 scale."""
     problems = []
@@ -48,7 +48,7 @@ def _gradient_terms(ev: Evidence, run: Callable[[Case], Evidence]) -> str:
 
 
 @check("gradients", levels=TOKEN_LEVELS, applies=lambda c, t: c.T > 0 and c.has_backward, reads=("autograd",),
-       explain=_gradient_terms)
+       explain=_gradient_terms, terms=True)
 def gradients(ev: Evidence) -> list[str]:
     """The local gradient is the local slice of the oracle's gradient of sum(w1*lp) + sum(w2*H);
     with two calls (accumulated microbatches, or two losses summed in one graph), the sum of both;
@@ -90,7 +90,7 @@ def _gradients(ev: Evidence, group: list, second: bool) -> list[str]:
     return problems
 
 
-@check("grad-flags", levels=TOKEN_LEVELS, needs="forward")
+@check("grad-flags", levels=TOKEN_LEVELS, needs="forward", terms=True)
 def grad_flags(ev: Evidence) -> list[str]:
     """entropy.requires_grad == with_entropy and with_entropy_grad and logits.requires_grad (linear
     level: the hidden states and weight require grad) (and
@@ -117,7 +117,7 @@ def grad_flags(ev: Evidence) -> list[str]:
     return problems
 
 
-@check("shapes-dtypes", levels=TOKEN_LEVELS, needs="forward")
+@check("shapes-dtypes", levels=TOKEN_LEVELS, needs="forward", terms=True)
 def shapes_dtypes(ev: Evidence) -> list[str]:
     """T elements out, float32 out, the gradient in the logits' dtype and shape (linear level: the
     weight shard's and the hidden states' gradients in their dtype and shape)."""
@@ -146,7 +146,7 @@ def shapes_dtypes(ev: Evidence) -> list[str]:
     return problems
 
 
-@check("finite", levels=TOKEN_LEVELS, applies=_nonempty, needs="forward")
+@check("finite", levels=TOKEN_LEVELS, applies=_nonempty, needs="forward", terms=True)
 def finite(ev: Evidence) -> list[str]:
     """No NaN or inf where the oracle is finite (outputs and gradient)."""
     exp = ev.expected
@@ -182,14 +182,14 @@ def _outputs_match(ev: Evidence, other: Evidence, what: str) -> list[str]:
 
 
 @check("chunk-invariance", levels=TOKEN_LEVELS,
-       twin=lambda c: c.replace(chunk_size=-1) if c.chunk_size > 0 and c.T > 0 else None)
+       twin=lambda c: c.replace(chunk_size=-1) if c.chunk_size > 0 and c.T > 0 else None, terms=True)
 def chunk_invariance(ev: Evidence) -> list[str]:
     """The same case unchunked gives the same answer within the tolerance."""
     return _outputs_match(ev, ev.twins["chunk-invariance"], "chunk_size=-1")
 
 
 @check("tp-invariance", levels=TOKEN_LEVELS, min_ranks=2,
-       twin=lambda c: c.replace(tp=1, v_local=c.vocab) if c.T > 0 else None)
+       twin=lambda c: c.replace(tp=1, v_local=c.vocab) if c.T > 0 else None, terms=True)
 def tp_invariance(ev: Evidence) -> list[str]:
     """The same global case at TP 1 gives the same answer within the tolerance."""
     return _outputs_match(ev, ev.twins["tp-invariance"], "TP 1")

@@ -1,16 +1,76 @@
-"""Which term of the loss a wrong gradient comes from. With both outputs in the loss, the gradient
-is the log-prob term's plus the entropy term's, and the same case with one term alone is a case
-the harness can run: at the kernel and fused-linear levels `loss_terms=log_prob` and
-`loss_terms=entropy`; at the wrapper level only the log-prob term runs alone (`with_entropy=0`),
-so the entropy term's verdict is inferred from it."""
+"""Which output a problem is about, and which term of the loss a wrong gradient comes from.
+
+A check declared with `terms=True` names, in each problem, the output it is about: the log-prob,
+the entropy, or a gradient (`named_output`). A finding is about one term (`TERMS`), so a case whose
+log-probs and entropy are both wrong gives two findings, one per family. A gradient is the sum of
+the terms in the loss; with both in it, the same case with one term alone is a case the harness can
+run (`alone`): at the kernel and fused-linear levels `loss_terms=log_prob` and `loss_terms=entropy`;
+at the wrapper level only the log-prob term runs alone (`with_entropy=0`), so the entropy term's
+verdict is inferred from it (`gradient_terms`).
+"""
 from __future__ import annotations
 
+import re
 from typing import Callable
 
-from harness.cases.case import Case, KernelCase, LinearCase
+from harness.cases.case import Case, KernelCase, LinearCase, WrapperCase
 from harness.checks import CheckFn, Evidence
 
 _NAMES = {"log_prob": "log-prob", "entropy": "entropy"}
+TERMS = ("log-prob", "entropy")
+GRADIENT = "gradient"  # a problem about a gradient: its term is the loss's (`gradient_terms`)
+# The first output a problem names is its subject ("rank 0 log_prob: worst at ...", "grad (all
+# shards): ...", "entropy vs TP 1"); `with_entropy`, `requires_grad`, `entropy_coef` name no output.
+_OUTPUT = re.compile(r"\b(entropy|log[_-]probs?|grad\w*|gradients?)\b")
+
+
+def named_output(problem: str) -> str:
+    """The output a problem of a `terms` check is about: a term of `TERMS`, `GRADIENT`, or "" (none named)."""
+    m = _OUTPUT.search(problem)
+    if m is None:
+        return ""
+    word = m.group(1)
+    return "entropy" if word == "entropy" else "log-prob" if word.startswith("log") else GRADIENT
+
+
+def loss_terms(case: Case) -> tuple[str, ...]:
+    """The terms whose gradient the case's loss carries (none without a backward)."""
+    if not case.grad_on:
+        return ()
+    if isinstance(case, WrapperCase):
+        return ("log-prob", "entropy") if case.expects_entropy_grad else ("log-prob",)
+    assert isinstance(case, (KernelCase, LinearCase))
+    lp = case.loss_terms != "entropy"
+    ent = case.loss_terms != "log_prob" and case.expects_entropy_grad
+    return tuple(t for t, on in (("log-prob", lp), ("entropy", ent)) if on)
+
+
+def exercised(case: Case) -> tuple[str, ...]:
+    """The terms a `terms` check looks at in this case: the log-prob always, the entropy when asked for."""
+    return ("log-prob", "entropy") if case.with_entropy else ("log-prob",)
+
+
+def alone(case: Case) -> dict[str, Case]:
+    """The same case with one term alone in the loss, per term that can run alone."""
+    if isinstance(case, WrapperCase):
+        return {"log-prob": case.replace(with_entropy=False)}
+    return {"log-prob": case.replace(loss_terms="log_prob"), "entropy": case.replace(loss_terms="entropy")}
+
+
+def gradient_terms(case: Case, wrong_alone: Callable[[Case], bool | None]) -> tuple[str, ...]:
+    """Which terms a wrong gradient of `case` comes from: the only term in its loss, or, with both,
+    the terms whose case alone (`alone`) still has a wrong gradient (`wrong_alone(case)`: None when
+    that case could not be judged). () when it cannot be told: the sum is wrong while each term
+    alone is right, or a case alone did not get through its backward."""
+    in_loss = loss_terms(case)
+    if len(in_loss) < 2:
+        return in_loss
+    verdicts = {term: wrong_alone(c) for term, c in alone(case).items()}
+    if None in verdicts.values():
+        return ()
+    if isinstance(case, WrapperCase):  # the entropy term cannot run alone: inferred from the log-prob's
+        return ("log-prob",) if verdicts["log-prob"] else ("entropy",)
+    return tuple(t for t in TERMS if verdicts[t])
 
 
 def _alone(run: Callable[[Case], Evidence], case: Case, check: CheckFn) -> bool | None:

@@ -10,10 +10,19 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 from harness.checks import Check, Evidence
-from harness.checks.findings import Finding
-from harness.checks.known import KnownFindings
+from harness.checks import script as scripts
+from harness.checks.families import FamilyStats, context_of, family_key
+from harness.checks.findings import BEYOND_USE, Finding, script_command
+from harness.checks.known import Entry, KnownFindings
+from harness.checks.terms import exercised
+from harness.checks.use import beyond
+
+# `about(check, evidence, problems) -> [(term, context, problems)]`: a failing check's problems
+# split by family (the driver's `Runner.about`, which may run the case's variants to tell).
+About = Callable[[Check, Evidence, list[str]], list[tuple[str, str, list[str]]]]
 
 KNOWN_KEPT = 200  # known findings kept for the report; every match is counted on its entry
 
@@ -33,18 +42,22 @@ class CheckStats:
 
 class Verdicts:
     """A run's verdicts: per (check, level) statistics, the bitwise property sheet, and the findings
-    a known-findings file accepts, kept apart from the new ones."""
+    a known-findings file accepts, kept apart from the new ones; each finding in or beyond the
+    target's use (`use`: its HARNESS_USE entries), and counted on its family (`families`)."""
 
-    def __init__(self, known: KnownFindings | None = None):
+    def __init__(self, known: KnownFindings | None = None, use: list[Entry] | None = None):
         self.known = known if known is not None else KnownFindings()
+        self.use = use or []
         self.stats: dict[tuple[str, str], CheckStats] = defaultdict(CheckStats)
+        self.families: dict[str, FamilyStats] = {}
         # The bitwise property sheet: case.config() -> check -> [cases checked, cases where it held].
         self.properties: dict[str, dict[str, list[int]]] = defaultdict(dict)
         self.known_findings: list[Finding] = []
 
-    def judge(self, chk: Check, ev: Evidence, repro: str) -> Finding | None:
+    def judge(self, chk: Check, ev: Evidence, repro: str, about: About | None = None) -> list[Finding]:
         """Evaluate `chk` on the evidence of one case (its twin already in `ev.twins` where it asks for
-        one) and count the verdict; the new finding, or None (passed, or a known finding)."""
+        one) and count the verdict; the new findings, one per family (`about` splits the problems;
+        without it, one), none when it passed or every finding is known."""
         case = ev.case
         first = len(ev.margins)
         try:
@@ -60,20 +73,49 @@ class Verdicts:
             held = self.properties[case.config()].setdefault(chk.name, [0, 0])
             held[0] += 1
             held[1] += not problems
-        if not problems:
-            return None
-        finding = Finding(chk.name, case.level, case.spec(), "; ".join(problems)[:4000], repro,
-                          ranks=sorted({r.rank for r in ev.failed_ranks}))
-        if self.new_findings([finding]):
+        groups = (about(chk, ev, problems) if about is not None else [("", "", problems)]) if problems else []
+        ranks = sorted({r.rank for r in ev.failed_ranks})
+        findings = [Finding(chk.name, case.level, case.spec(), "; ".join(said)[:4000], repro, ranks=ranks,
+                            term=term, context=context) for term, context, said in groups]
+        for f in findings:  # the line that writes its stand-alone script, where one can be written
+            if scripts.refusal(ev.target, scripts.script_case(case, f.check, f.term), f.check) is None:
+                f.script = script_command(repro, f.check, f.term)
+        new = self.new_findings(findings)
+        self._count_families(chk, ev, findings, new)
+        if new:
             stats.failed += 1
-            return finding
-        stats.known += 1
-        return None
+        elif findings:
+            stats.known += 1
+        return new
+
+    def _count_families(self, chk: Check, ev: Evidence, findings: list[Finding], new: list[Finding]) -> None:
+        """Count the case on every family it was checked in: per term it exercises (and any term a
+        finding names), on the plain path and, in a call context, in that context too."""
+        case, context = ev.case, context_of(ev.case)
+        failing = {(f.term, f.context): f for f in findings}
+        terms = list(dict.fromkeys([*(exercised(case) if chk.terms else ("",)), *(t for t, _ in failing)]))
+        for term in terms:
+            for ctx in dict.fromkeys(("", context)):
+                key = family_key(chk.name, term, ctx)
+                fam = self.families.get(key) or self.families.setdefault(key, FamilyStats(chk.name, term, ctx))
+                f = failing.get((term, ctx))
+                fam.count(case, f is not None)
+                if f is None:
+                    continue
+                if any(f is n for n in new):
+                    fam.failed += 1
+                    fam.beyond += f.use == BEYOND_USE
+                else:
+                    fam.known += 1
 
     def new_findings(self, findings: list[Finding]) -> list[Finding]:
-        """The findings no known-findings entry matches; the others are kept apart as known."""
+        """The findings no known-findings entry matches; the others are kept apart as known. Each is
+        marked in or beyond the target's use first."""
         new = []
         for f in findings:
+            outside = beyond(f, self.use)
+            if outside is not None:
+                f.use, f.beyond = BEYOND_USE, outside.reason
             entry = self.known.classify(f)
             if entry is None:
                 new.append(f)

@@ -10,6 +10,7 @@ import torch
 
 from harness.cases.case import Case, WrapperCase
 from harness.checks import Evidence, check
+from harness.checks.common import cp_hint
 from harness.checks.terms import wrapper_terms
 from harness.engine.observations import HARNESS_STEP
 from harness.reference.cp import response_positions
@@ -37,12 +38,11 @@ def _right_at_cp1(ev: Evidence, run) -> str:
     assert isinstance(ev.case, WrapperCase)  # wrapper-extraction's level
     if ev.case.cp == 1 or extraction(run(ev.case.replace(cp=1, cp_layout="zigzag"))):
         return ""
-    return ("wrong only at CP > 1 (the same case at CP 1 is right): a wrapper without context parallelism "
-            "declares so in its module, `HARNESS_CAPABILITIES = {\"context_parallel\": False}`, and is then "
-            "checked at CP 1 only")
+    return f"wrong only at CP > 1 (the same case at CP 1 is right): {cp_hint(ev)}"
 
 
-@check("wrapper-extraction", levels=WRAPPER, needs="forward", explain=lambda ev, run: _right_at_cp1(ev, run))
+@check("wrapper-extraction", levels=WRAPPER, needs="forward", explain=lambda ev, run: _right_at_cp1(ev, run),
+       terms=True)
 def extraction(ev: Evidence) -> list[str]:
     """One float32 tensor of R_i response values per sample, for log-probs and (when asked) entropy;
     at CP > 1, of the response positions that the rank's zigzag chunks hold."""
@@ -74,7 +74,7 @@ def extraction(ev: Evidence) -> list[str]:
     return problems
 
 
-@check("entropy-coef-rule", levels=WRAPPER, applies=lambda c, t: c.with_entropy, needs=None, reads=("autograd",),
+@check("entropy-coef-rule", levels=WRAPPER, applies=lambda c, t: c.with_entropy, needs=None, reads=("autograd",), terms=True,
        requires=lambda t, cp: None if t.supports("entropy") else "the target computes no entropy "
                                                                  "(HARNESS_CAPABILITIES['entropy'] is False)")
 def entropy_coef_rule(ev: Evidence) -> list[str]:
@@ -102,19 +102,20 @@ def entropy_coef_rule(ev: Evidence) -> list[str]:
 
 
 @check("wrapper-entropy", levels=WRAPPER, applies=lambda c, t: c.with_entropy and t.supports("entropy"),
-       needs="forward")
+       needs="forward", terms=True)
 def wrapper_entropy(ev: Evidence) -> list[str]:
     """Per-sample entropy of the unmasked, temperature-scaled softmax on the response rows."""
     return _per_sample(ev, "entropy", "entropy")
 
 
-@check("temperature", levels=WRAPPER, applies=lambda c, t: c.temperature not in (None, 1.0), needs="forward")
+@check("temperature", levels=WRAPPER, applies=lambda c, t: c.temperature not in (None, 1.0), needs="forward",
+       terms=True)
 def temperature(ev: Evidence) -> list[str]:
     """The logits are divided by args.rollout_temperature before log-probs and entropy."""
     return _per_sample(ev, "log_prob", "log-probs at temperature") + _per_sample(ev, "entropy", "entropy at temperature")
 
 
-@check("top-p-replay", levels=WRAPPER, applies=lambda c, t: c.top_p != "none", needs="forward")
+@check("top-p-replay", levels=WRAPPER, applies=lambda c, t: c.top_p != "none", needs="forward", terms=True)
 def top_p_replay(ev: Evidence) -> list[str]:
     """The recorded nucleus masks the log-probs only; rows without one stay unmasked; entropy unmasked."""
     return _per_sample(ev, "log_prob", "log-probs under top-p replay") + _per_sample(ev, "entropy", "entropy (never masked)")
@@ -125,7 +126,7 @@ def _gradient_terms(ev: Evidence, run: Callable[[Case], Evidence]) -> str:
 
 
 @check("wrapper-gradients", levels=WRAPPER, applies=lambda c, t: sum(c.response_lengths) > 0, reads=("autograd",),
-       explain=_gradient_terms)
+       explain=_gradient_terms, terms=True)
 def wrapper_gradients(ev: Evidence) -> list[str]:
     """Gradient w.r.t. the raw logits shard, including the entropy term exactly when entropy_coef != 0;
     in every TP group (each DP replica, each CP rank: the slice of the whole gradient on its rows); in a
@@ -148,7 +149,8 @@ def wrapper_gradients(ev: Evidence) -> list[str]:
 
 @check("cp-invariance", levels=WRAPPER, applies=lambda c, t: c.cp > 1 and sum(c.response_lengths) > 0,
        twin=lambda c: c.replace(cp=1, cp_layout="zigzag") if c.cp > 1 else None, needs="forward",
-       requires=lambda t, cp: None if cp > 1 else "compares CP > 1 with CP 1: runs in the CP families (tpN-cpM)")
+       requires=lambda t, cp: None if cp > 1 else "compares CP > 1 with CP 1: runs in the CP families (tpN-cpM)",
+       terms=True)
 def cp_invariance(ev: Evidence) -> list[str]:
     """The same global case at CP 1: every sample's response, re-assembled from the CP ranks' zigzag
     pieces (TP rank 0 of replica 0 at each CP rank), agrees with it within twice the derived bound

@@ -4,9 +4,10 @@ Every commit of REPO that touches the target's files (its module file, or `--pat
 is exported into a temporary tree (`git archive`: the user's checkout and index are never touched,
 and a bare repository works) and checked by `harness check --json` in a process of its own, with
 that tree first on PYTHONPATH. Commits whose target files hold the same content as one already
-checked reuse its result. The result is a table of commit x check family (the families of
-`harness peers`, `report.matrix`) that marks where a check first fails (the commit that brought a
-defect in) and where it passes again (the one that fixed it); `--known` applies to every commit.
+checked reuse its result. The result is a table of commit x defect family (a check, the output term
+and the call context that decides it: `report.matrix.family_cells`) that marks where a family first
+fails (the commit that brought a defect in), where its failing configurations change, and where it
+passes again (the one that fixed it); `--known` applies to every commit.
 """
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ from pathlib import Path
 
 from harness.base import extras, options
 from harness.base.errors import UsageError
+from harness.checks import all_checks
 from harness.driver.git_trees import Git, commits, module_paths
 from harness.driver.replay import run_all
-from harness.report import matrix
 from harness.report.history_table import history_rows, render_html, render_markdown, transitions
 
 
@@ -46,8 +47,9 @@ def cmd_history(ns: argparse.Namespace, cfg: options.RunConfig) -> int:
         if outcomes[c.sha].result is not None:
             (ns.out / f"{c.short}.json").write_text(json.dumps(outcomes[c.sha].result, indent=1))
     rows = history_rows(listed, outcomes, str(Path(ns.repo).resolve()), ns.target, ns.device)
-    fams = [f for f in matrix.columns() if any(r["cells"].get(f, {}).get("state") in ("finding", "known")
-                                               for r in rows)]
+    order = list(all_checks())  # families in check order, each check's in the order first met
+    met = list(dict.fromkeys(f for r in rows for f, cell in r["cells"].items() if cell["state"] != "pass"))
+    fams = sorted(met, key=lambda f: order.index(r_check) if (r_check := _check_of(rows, f)) in order else len(order))
     h = {"repo": str(ns.repo), "target": ns.target, "paths": paths, "rev": rev, "since": ns.since,
          "profile": ns.profile, "tp": list(ns.tp), "seed": ns.seed, "known": ns.known, "checked": len(todo),
          "elapsed_s": round(time.perf_counter() - start, 1), "families": fams, "rows": rows,
@@ -62,6 +64,10 @@ def cmd_history(ns: argparse.Namespace, cfg: options.RunConfig) -> int:
     print(f"written: {ns.out / 'history.md'}, {ns.out / 'history.html'}, {ns.out / 'history.json'} "
           f"and each checked commit's JSON", file=sys.stderr)
     return 2 if any(o.status == "error" for o in outcomes.values()) else 0
+
+
+def _check_of(rows: list[dict], family: str) -> str:
+    return next(r["cells"][family].get("check", family) for r in rows if family in r["cells"])
 
 
 def add_repro_arguments(p: argparse.ArgumentParser) -> None:

@@ -122,6 +122,9 @@ def repro_at_commit(ns: argparse.Namespace) -> int:
     git = Git(ns.repo)
     sha = git("rev-parse", f"{ns.commit}^{{commit}}").strip()
     cmd = [sys.executable, "-m", "harness", "repro", "--target", ns.target, "--device", ns.device, ns.case]
+    for option in ("script", "check", "term"):  # `repro --script`: written from that commit's tree
+        if getattr(ns, option, None) is not None:
+            cmd += [f"--{option}", str(getattr(ns, option))]
     with tempfile.TemporaryDirectory(prefix="harness-repro-") as tmp:
         git.export(sha, Path(tmp))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [tmp, str(HARNESS_ROOT),

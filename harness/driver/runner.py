@@ -14,8 +14,11 @@ from harness.base.options import COLLECTIVE_TIMEOUT_S, RunConfig
 from harness.cases.capabilities import fit
 from harness.cases.case import Case, parse_case
 from harness.checks import Check, Evidence, all_checks, oracle
+from harness.checks.families import context_of, plain
 from harness.checks.findings import Finding, repro_command
 from harness.checks.known import load as load_known
+from harness.checks.terms import GRADIENT, gradient_terms, named_output
+from harness.checks.use import parse_use
 from harness.checks.verdicts import Verdicts
 from harness.driver import torchrun
 from harness.driver.pool import COMPILE_BOUND_S, STARTUP_TIMEOUT_S, WorkerPool, meanwhile
@@ -98,7 +101,9 @@ class Runner:
         self._cache: OrderedDict[Case, Evidence] = OrderedDict()
         self._unmetered: set[Case] = set()  # cached cases run without the memory meter
         self._called_on: set[Any] = set()  # the worker processes this runner's target has been called on
-        self.verdicts = Verdicts()  # what the checks concluded (harness.checks.verdicts)
+        # what the checks concluded (harness.checks.verdicts), each finding in or beyond the target's use
+        self.verdicts = Verdicts(use=parse_use(self.target.spec, self.target.use))
+        self._probes: dict[tuple[str, Case], list[str] | None] = {}  # (check, case) -> its problems (`probe`)
 
     @classmethod
     def for_run(cls, cfg: RunConfig, target: str | None = None) -> "Runner":
@@ -255,7 +260,7 @@ class Runner:
         keep = {(self.fit(twins[name][0]), twins[name][1]) for name in wanted}
         later = [run for run in later if run in keep]
         later += [twins[name] for name in wanted if self.checks[name].twin_in_same_process]
-        outcome: dict[str, Finding | None] = {}
+        outcome: dict[str, list[Finding]] = {}
         failures: list[Exception] = []
 
         def evaluate_ready() -> None:  # `meanwhile` would swallow an error of the harness's own: keep it
@@ -269,13 +274,12 @@ class Runner:
             if failures:
                 raise failures[0]
         self._evaluate(ev, applied, twins, outcome, only, run_twins=True)
-        return ev, [f for name in self.checks if (f := outcome.get(name)) is not None]
+        return ev, [f for name in self.checks for f in outcome.get(name, [])]
 
     def _evaluate(self, ev: Evidence, applied: set[str], twins: dict[str, tuple[Case, bool]],
-                  outcome: dict[str, Finding | None], only: set[str] | None, run_twins: bool) -> None:
+                  outcome: dict[str, list[Finding]], only: set[str] | None, run_twins: bool) -> None:
         """Evaluate the checks not in `outcome` yet whose twins have run (all of them with
-        `run_twins`, running any twin still missing); each check's new finding, or None, goes to
-        `outcome`."""
+        `run_twins`, running any twin still missing); each check's new findings go to `outcome`."""
         repro = repro_command(self.target.spec, ev.case, self.repro_env)
         for chk in self.checks.values():
             if chk.name in outcome:
@@ -283,13 +287,13 @@ class Runner:
             if chk.name not in applied:
                 if not only or chk.name in only:
                     self.verdicts.not_applied(chk, ev)
-                outcome[chk.name] = None
+                outcome[chk.name] = []
                 continue
             if chk.name in twins:
                 twin_case, meter_memory = twins[chk.name]
                 if not run_twins and not self._cached(self.fit(twin_case), meter_memory):
                     continue
-            outcome[chk.name] = None
+            outcome[chk.name] = []
             if chk.needs and not ev.completed(chk.needs):
                 continue
             if chk.twin is not None:
@@ -299,7 +303,65 @@ class Runner:
                 if chk.needs and not twin.completed(chk.needs):
                     continue  # the twin's own crash is reported when it runs as a case
                 ev.twins[chk.name] = twin
-            outcome[chk.name] = self.verdicts.judge(chk, ev, repro)
+            outcome[chk.name] = self.verdicts.judge(chk, ev, repro, self.about)
+
+    def probe(self, chk: Check, case: Case) -> list[str] | None:
+        """`chk`'s problems on another case (with its twin), for telling a finding's family; not
+        counted in the run's verdicts. None when the check does not apply to it or cannot judge it
+        (a stage not completed). Each (check, case) is judged once per runner."""
+        case = self.fit(case)
+        key = (chk.name, case)
+        if key not in self._probes:
+            self._probes[key] = self._judge_alone(chk, case) if chk.applicable(case, self.target) else None
+        return self._probes[key]
+
+    def _judge_alone(self, chk: Check, case: Case) -> list[str] | None:
+        memory = _reads_memory(chk)
+        ev = Evidence(case, self.target, self.run(case, meter_memory=memory).ranks)
+        if chk.needs and not ev.completed(chk.needs):
+            return None
+        if chk.twin is not None:
+            twin_case = chk.twin(case)
+            if twin_case is None:
+                return None
+            twin = self.run(twin_case, meter_memory=memory)
+            if chk.needs and not twin.completed(chk.needs):
+                return None
+            ev.twins[chk.name] = twin
+        try:
+            return chk.fn(ev)
+        except Exception as e:  # as `Verdicts.judge` does
+            return [f"the check could not evaluate the outputs: {type(e).__name__}: {e}"]
+
+    def about(self, chk: Check, ev: Evidence, problems: list[str]) -> list[tuple[str, str, list[str]]]:
+        """A failing check's problems split by family (`checks.families`): (term, context, problems).
+        A `terms` check's problems go to the output each names; a gradient's to the terms of the loss
+        it comes from, told by the case with each term alone when both are in it (`terms.gradient_terms`).
+        A call context is the family's when the same case on the plain path passes (or the check
+        applies only in that context)."""
+        by_term: dict[str, list[str]] = {}
+        for p in problems:
+            output = named_output(p) if chk.terms else ""
+            terms = self._gradient_terms(chk, ev.case) if output == GRADIENT else (output,)
+            for term in terms or ("",):
+                by_term.setdefault(term, []).append(p)
+        return [(term, self._deciding_context(chk, ev.case, term), said) for term, said in by_term.items()]
+
+    def _gradient_terms(self, chk: Check, case: Case) -> tuple[str, ...]:
+        def wrong_alone(c: Case) -> bool | None:
+            problems = self.probe(chk, c)
+            return None if problems is None else any(named_output(p) == GRADIENT for p in problems)
+        return gradient_terms(case, wrong_alone)
+
+    def _deciding_context(self, chk: Check, case: Case, term: str) -> str:
+        context = context_of(case)
+        if not context:
+            return ""
+        problems = self.probe(chk, plain(case))
+        if problems is None:  # the check applies only in that context, or its plain case cannot be judged
+            return context
+        same = [p for p in problems if not chk.terms or named_output(p) in (term, GRADIENT)]
+        return "" if same else context
 
     def explain(self, findings: list[Finding]) -> list[Finding]:
         """Lead each finding's message with what its check's `explain` adds (which loss term a wrong

@@ -6,7 +6,8 @@ oracle run. An exception raised by the target is an observation too.
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
@@ -395,6 +396,36 @@ def _to(ts: list | None, device: torch.device) -> list | None:
     return None if ts is None else [t.to(device) if isinstance(t, torch.Tensor) else t for t in ts]
 
 
+CP_QUERIES = ("get_context_parallel_world_size", "get_context_parallel_rank", "get_context_parallel_group",
+              "get_context_parallel_global_ranks")
+
+
+@contextlib.contextmanager
+def cp_queries(obs: Observation) -> Iterator[None]:
+    """While it is entered, a routine that asks megatron-core's parallel_state (`mpu`) for its
+    context-parallel group, rank or size sets `obs.cp_queried`: what a wrapper shows of taking CP
+    (the `crash` hint that says to declare no CP is given only to a wrapper that never asks)."""
+    try:
+        from megatron.core import parallel_state
+    except ImportError:
+        yield
+        return
+    saved = {name: getattr(parallel_state, name) for name in CP_QUERIES if hasattr(parallel_state, name)}
+
+    def counted(fn: Any) -> Any:
+        def query(*args: Any, **kwargs: Any) -> Any:
+            obs.cp_queried = True
+            return fn(*args, **kwargs)
+        return query
+    for name, fn in saved.items():
+        setattr(parallel_state, name, counted(fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(parallel_state, name, fn)
+
+
 def run_on_rank(case: Case, target: Target, rank: int, device: torch.device, cp_rank: int = 0,
                 meter_memory: bool = True) -> RankResult:
     """Run one case on this rank (TP rank `rank` of CP rank `cp_rank`); never raises (an exception is an
@@ -410,7 +441,8 @@ def run_on_rank(case: Case, target: Target, rank: int, device: torch.device, cp_
             elif isinstance(case, LinearCase):
                 run_linear(case, target, rank, group, device, result.obs, meter_memory)
             else:
-                run_wrapper(case, target, rank, device, result.obs, cp_rank, meter_memory)
+                with cp_queries(result.obs):
+                    run_wrapper(case, target, rank, device, result.obs, cp_rank, meter_memory)
         except Exception as e:  # the target's failure is data
             failed = RankResult.from_exception(rank, e)
             result.error, result.error_kind = failed.error, failed.error_kind

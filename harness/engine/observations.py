@@ -74,6 +74,9 @@ class Observation:
     # A call without autograd (no_grad, inference_mode): the outputs of the same call on the
     # training path, (log_prob, entropy), which it must equal bit for bit.
     training: Optional[tuple[Values, Values]] = None
+    # Wrapper level: the routine asked megatron-core's parallel_state for its context-parallel
+    # group, rank or size (`executor.cp_queries`): it implements CP, whatever its capabilities say.
+    cp_queried: bool = False
     traceback: str = ""
 
 

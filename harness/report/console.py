@@ -3,7 +3,8 @@ the largest error over tolerance), the findings check by check with the shrunk o
 bitwise property sheet and the known findings. The JSON of the same run is `report.result`'s."""
 from __future__ import annotations
 
-from harness.checks.findings import FOLDED, SHRUNK, START, Finding, reading_order
+from harness.checks.families import family_label
+from harness.checks.findings import BEYOND_USE, FOLDED, SHRUNK, START, Finding, reading_order
 from harness.driver.runner import Runner
 
 
@@ -34,9 +35,22 @@ FOLDED_SHOWN = 8  # a check's other findings listed, one line each, under its sh
 
 
 def finding_blocks(findings: list[Finding], json_file: str | None = None) -> list[str]:
-    """What the run prints of its findings, in `reading_order`: each check's leading findings in
-    full, the run's first shrunk one labelled as the one to start from; the check's other findings
-    folded under them, one line each. The JSON keeps every finding in full."""
+    """What the run prints of its findings: those in the target's use first, then, under a line that
+    says so, those beyond it (on inputs its own callers never make: `HARNESS_USE`). Each group in
+    `reading_order`: each check's leading findings in full, the first shrunk one labelled as the one
+    to start from; the check's other findings folded under them, one line each. The JSON keeps every
+    finding in full."""
+    in_use = [f for f in findings if f.use != BEYOND_USE]
+    outside = [f for f in findings if f.use == BEYOND_USE]
+    blocks = _blocks(in_use, json_file, start=True)
+    if outside:
+        blocks.append(f"\nBEYOND THE TARGET'S USE: {len(outside)} finding(s) on inputs its own callers never make "
+                      "(its HARNESS_USE says where, citing its callers): hardening, not defects of its training runs")
+        blocks += _blocks(outside, json_file, start=not in_use)
+    return blocks
+
+
+def _blocks(findings: list[Finding], json_file: str | None, start: bool) -> list[str]:
     blocks: list[str] = []
     folded: list[Finding] = []
 
@@ -46,19 +60,23 @@ def finding_blocks(findings: list[Finding], json_file: str | None = None) -> lis
             lines = [f"    {f.case}" for f in folded[:FOLDED_SHOWN]]
             if len(folded) > FOLDED_SHOWN:
                 lines.append(f"    ... and {len(folded) - FOLDED_SHOWN} more")
-            blocks.append(f"  and {len(folded)} more [{folded[0].check}] finding(s) on other cases ({where}):\n"
+            blocks.append(f"  and {len(folded)} more [{folded[0].family}] finding(s) on other cases ({where}):\n"
                           + "\n".join(lines))
             folded.clear()
 
-    for i, role in reading_order([(f.check, f.shrunk) for f in findings]):
+    for i, role in reading_order([(f.family, f.shrunk) for f in findings]):
         f = findings[i]
         if role == FOLDED:
             folded.append(f)
             continue
         fold()
-        label = {START: " shrunk, start from this one:", SHRUNK: " shrunk:"}.get(role, "")
+        label = {START: " shrunk, start from this one:" if start else " shrunk:", SHRUNK: " shrunk:"}.get(role, "")
         message = f.message[:1500].replace("\n", "\n  ")
-        blocks.append(f"\nFINDING [{f.check}] ({f.level}){label} {f.case}\n  {message}\n  repro: {f.repro}")
+        about = f"  about: {family_label(f.check, f.term, f.context)}\n" if f.term or f.context else ""
+        if f.use == BEYOND_USE:
+            about += f"  beyond the target's use: {f.beyond}\n"
+        script = f"\n  script: {f.script}" if f.script else ""
+        blocks.append(f"\nFINDING [{f.check}] ({f.level}){label} {f.case}\n{about}  {message}\n  repro: {f.repro}{script}")
     fold()
     return blocks
 

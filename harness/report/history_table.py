@@ -1,17 +1,24 @@
-"""The tables of `harness history`: one row per commit, its cells the check families of
-`report.matrix`, each marked where a family starts failing (the commit that brought a defect in) and
-where it passes again (the one that fixed it); the stretches between; markdown and HTML.
+"""The tables of `harness history`: one row per commit, its cells the defect families of
+`report.matrix.family_cells` (a check, the output term, the call context that decides it), each
+marked where a family starts failing (the commit that brought a defect in), where it passes again
+(the one that fixed it), and where it fails on before and after but its failing configurations
+change (a new defect, or a partial fix, in a family that already failed); the stretches between;
+markdown and HTML.
 """
 from __future__ import annotations
 
 import shlex
 from typing import Any
 
-from harness.checks import all_checks
+from harness.checks.families import changed, describe
+from harness.checks.findings import script_command
 from harness.driver.git_trees import Commit
 from harness.driver.replay import CommitOutcome
 from harness.report import matrix
 from harness.report.render import environment
+
+MARKS = {"introduced": "FAILS FROM HERE: ", "failing": "FAILS ALREADY: ", "fixed": "FIXED HERE: ",
+         "changed": "CHANGES HERE: "}
 
 
 def repro_line(repo: str, sha: str, target: str, case: str, device: str = "cpu") -> str:
@@ -23,29 +30,18 @@ def repro_line(repo: str, sha: str, target: str, case: str, device: str = "cpu")
             f"{dev} {shlex.quote(case)}")
 
 
-def lead_finding(result: dict[str, Any], checks: set[str]) -> dict[str, Any] | None:
-    """The finding a stretch is reported by: a shrunk (minimal) one of those checks when there is
-    one (the corpus's cases are not shrunk), new findings before known ones."""
-    for pool_ in (result.get("findings", []), result.get("known_findings", [])):
-        mine = [f for f in pool_ if f["check"] in checks]
-        if mine:
-            return next((f for f in mine if f.get("shrunk")), mine[0])
-    return None
-
-
 def history_rows(commits_: list[Commit], outcomes: dict[str, CommitOutcome], repo: str = "", target: str = "",
                  device: str = "cpu") -> list[dict[str, Any]]:
-    """One row per commit: its cells (`report.matrix`'s), each marked `introduced` where the family
-    fails after passing (or has new findings where it had only known ones), `failing` where it fails
-    on the first commit checked (it may be older), and `fixed` where it passes after failing, or
-    where its new findings are gone and only known ones remain (the peer fixed what its known file
-    does not explain). A failing cell's repro is its shrunk finding's, as a line that exports the
-    commit itself (`repro_line`)."""
-    families: dict[str, set[str]] = {}
-    for chk in all_checks().values():
-        families.setdefault(matrix.family(chk), set()).add(chk.name)
+    """One row per commit: its cells (`matrix.family_cells`: one per defect family), each marked
+    `failing` where the family fails on the first commit checked (it may be older), `introduced`
+    where its state gets worse (a pass, a known or a beyond-use state, then a new finding in use),
+    `fixed` where it gets better (the peer fixed what its known file does not explain), and
+    `changed` where it fails before and after at the same state but a configuration checked at both
+    commits starts or stops failing (`families.changed`). A failing cell's repro is its lead
+    finding's, as a line that exports the commit itself (`repro_line`), with the line that writes its
+    stand-alone script beside it where one can be written."""
     rows: list[dict[str, Any]] = []
-    before: dict[str, str] = {}  # family -> its state at the last commit checked so far
+    before: dict[str, dict[str, Any]] = {}  # family -> its cell at the last commit checked so far
     for c in commits_:
         outcome = outcomes[c.same_as or c.sha]
         row = {"sha": c.sha, "short": c.short, "date": c.date, "subject": c.subject, "same_as": c.same_as,
@@ -55,51 +51,62 @@ def history_rows(commits_: list[Commit], outcomes: dict[str, CommitOutcome], rep
             row.update(cases=r["cases_run"], levels=r["levels"], inferred=r.get("inferred_capabilities", {}),
                        not_checked=r.get("not_checked", {}), new=len(r["findings"]),
                        known=len(r.get("known_findings", [])))
-            for fam, cell in matrix.peer_cells(r).items():
-                if cell["state"] == "n/a":
-                    row["cells"][fam] = cell
-                    continue
-                fails = cell["state"] in ("finding", "known")
-                lead = lead_finding(r, families[fam]) if fails else None
-                if lead is not None:
-                    cell.update(case=lead["case"], check=lead["check"], shrunk=lead.get("shrunk", False),
-                                repro=repro_line(repo, c.sha, target, lead["case"], device))
+            for fam, cell in matrix.family_cells(r).items():
                 state, prev = cell["state"], before.get(fam)
-                if fails and prev is None:
+                fails = state != "pass"
+                if fails and cell.get("case"):
+                    cell["repro"] = repro_line(repo, c.sha, target, cell["case"], device)
+                    if cell.get("script"):
+                        cell["script"] = script_command(cell["repro"], cell["check"], cell.get("term", ""))
+                was = None if prev is None else matrix.SEVERITY[prev["state"]]
+                now = matrix.SEVERITY[state]
+                if fails and was is None:
                     cell["mark"] = "failing"
-                elif fails and (prev == "pass" or (state, prev) == ("finding", "known")):
+                elif was is not None and now > was:
                     cell["mark"] = "introduced"
-                elif prev is not None and prev != state and prev != "pass" and state != "finding":
+                elif was is not None and now < was:
                     cell["mark"] = "fixed"
-                before[fam] = state
+                elif was and fails and prev is not None:
+                    started, stopped = changed(prev.get("configs", {}), cell.get("configs", {}))
+                    if started or stopped:
+                        cell.update(mark="changed", started=started, stopped=stopped)
+                before[fam] = cell
                 row["cells"][fam] = cell
         rows.append(row)
     return rows
 
 
-def transitions(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
+def transitions(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per family, each stretch of failing commits: where it came in (or that it already failed at the
-    first commit checked) and where it was fixed (or None)."""
+    first commit checked), the commits inside it where its failing configurations changed, and where
+    it was fixed (or None): it passes again, or what was new is gone and only known or beyond-use
+    findings remain."""
     out: list[dict[str, Any]] = []
     open_: dict[str, dict[str, Any]] = {}
     for row in rows:
         for fam, cell in row["cells"].items():
-            if cell.get("mark") in ("introduced", "failing"):
-                open_[fam] = {"family": fam, "introduced": row["short"], "fixed": None,
-                              "already_at_first": cell["mark"] == "failing",
-                              "check": cell.get("check"), "repro": cell.get("repro")}
-                open_[fam]["case"] = cell.get("case")
-                open_[fam]["shrunk"] = cell.get("shrunk", False)
+            mark = cell.get("mark")
+            if mark in ("introduced", "failing") and fam not in open_:
+                open_[fam] = {"family": fam, "label": matrix.label(fam, cell), "introduced": row["short"],
+                              "fixed": None, "already_at_first": mark == "failing", "check": cell.get("check"),
+                              "state": cell["state"], "repro": cell.get("repro"), "script": cell.get("script", ""),
+                              "case": cell.get("case"), "shrunk": cell.get("shrunk", False), "changes": []}
                 out.append(open_[fam])
-            elif cell.get("mark") == "fixed" and fam in open_:
+            elif mark in ("introduced", "changed") and fam in open_:
+                what = "a new finding in use" if mark == "introduced" else \
+                    "; ".join(p for p in (f"fails also on {describe(cell['started'])}" if cell.get("started") else "",
+                                          f"passes now on {describe(cell['stopped'])}" if cell.get("stopped") else "")
+                              if p)
+                open_[fam]["changes"].append({"commit": row["short"], "what": what, "repro": cell.get("repro"),
+                                              "script": cell.get("script", "")})
+                open_[fam]["state"] = cell["state"]
+            elif mark == "fixed" and fam in open_:
                 open_.pop(fam)["fixed"] = row["short"]
     return out
 
 
 def cell_text(cell: dict[str, Any]) -> str:
-    mark = {"introduced": "FAILS FROM HERE: ", "failing": "FAILS ALREADY: ",
-            "fixed": "FIXED HERE: "}.get(cell.get("mark", ""), "")
-    return mark + matrix.cell_text(cell)
+    return MARKS.get(cell.get("mark", ""), "") + matrix.cell_text(cell)
 
 
 def render_markdown(h: dict[str, Any]) -> str:
@@ -122,13 +129,29 @@ def render_markdown(h: dict[str, Any]) -> str:
         else:
             result, cells = f"{row['status']}: {row['reason']}", ["-"] * len(fams)
         lines.append("| " + " | ".join(_md([f"`{row['short']}`", row["date"], row["subject"][:60], result, *cells])) + " |")
-    lines += ["", "| family | brought in by | fixed by | first finding's repro |", "|---|---|---|---|"]
+    lines += ["", "| family | brought in by | changed at | fixed by | first finding's repro |", "|---|---|---|---|---|"]
     for t in h["transitions"]:
         came = f"`{t['introduced']}`" + (" (already at the first commit checked)" if t["already_at_first"] else "")
         repro = (f"`{t['repro']}`" + ("" if t.get("shrunk") else " (not shrunk)")) if t["repro"] else "-"
-        lines.append("| " + " | ".join(_md([t["family"], came, f"`{t['fixed']}`" if t["fixed"]
-                                            else "not fixed", repro])) + " |")
+        if t.get("script"):
+            repro += f"; stand-alone script: `{t['script']}`"
+        changes = "; ".join(f"`{c['commit']}`: {c['what']}" for c in t.get("changes", [])) or "-"
+        lines.append("| " + " | ".join(_md([f"{t.get('label', t['family'])} (`{t['family']}`, {t['state']})", came, changes,
+                                            f"`{t['fixed']}`" if t["fixed"] else "not fixed", repro])) + " |")
+    lines += ["", *stretch_lines(h["transitions"])]
     return "\n".join(lines) + "\n"
+
+
+def stretch_lines(transitions_: list[dict[str, Any]]) -> list[str]:
+    """Each stretch in one line, as a maintainer reads it: "log-prob gradients at TP > 1: FIXED HERE
+    on `0684a6d838`", "crash: FAILS FROM HERE on `33f97ca9fb`, CHANGES HERE on ..."."""
+    out = []
+    for t in transitions_:
+        said = [f"{'FAILS ALREADY at' if t['already_at_first'] else 'FAILS FROM HERE on'} `{t['introduced']}`"]
+        said += [f"CHANGES HERE on `{c['commit']}` ({c['what']})" for c in t.get("changes", [])]
+        said.append(f"FIXED HERE on `{t['fixed']}`" if t["fixed"] else "not fixed")
+        out.append(f"- {t.get('label', t['family'])}: {', '.join(said)}")
+    return out
 
 
 def _md(cells: list[str]) -> list[str]:

@@ -9,7 +9,8 @@ import math
 import re
 from typing import Any
 
-from harness.checks.findings import reading_order
+from harness.checks.families import family_label
+from harness.checks.findings import BEYOND_USE, IN_USE, reading_order
 
 LEVELS = ("kernel", "wrapper", "linear")
 NEAR = 0.5  # error/tolerance above this is close enough to the line to be worth a look
@@ -92,16 +93,19 @@ def margins(result: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
     return out
 
 
-def findings(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each finding with its first lines (torch.testing's: what, how many, how far off) up front, in
-    the console's order (`reading_order`: the shrunk finding to start from first), each with its
-    `role` there."""
+def findings(result: dict[str, Any], use: str = IN_USE) -> list[dict[str, Any]]:
+    """The findings in the target's use (`use` BEYOND_USE: those beyond it), each with its first
+    lines (torch.testing's: what, how many, how far off) up front, in the console's order
+    (`reading_order`: the shrunk finding to start from first), each with its `role` there and its
+    family in words (`about`)."""
     out = []
-    found = result["findings"]
-    for i, role in reading_order([(f["check"], bool(f.get("shrunk"))) for f in found]):
+    found = [f for f in result["findings"] if (f.get("use", IN_USE) == BEYOND_USE) == (use == BEYOND_USE)]
+    for i, role in reading_order([(f.get("family", f["check"]), bool(f.get("shrunk"))) for f in found]):
         f = found[i]
         lines = [line for line in f["message"].strip().splitlines() if line.strip()] or [""]
-        out.append({**f, "role": role, "headline": lines[0], "lead": lines[:SHOWN_LINES],
+        about = family_label(f["check"], f.get("term", ""), f.get("context", "")) \
+            if f.get("term") or f.get("context") else ""
+        out.append({**f, "role": role, "headline": lines[0], "lead": lines[:SHOWN_LINES], "about": about,
                     "more": len(lines) > SHOWN_LINES or any(len(line) > 300 for line in lines)})
     return out
 
@@ -117,6 +121,7 @@ def view(result: dict[str, Any]) -> dict[str, Any]:
         "summary": rows,
         "checks_failed": len({f["check"] for f in result["findings"]}),
         "findings": findings(result),
+        "beyond_use": findings(result, BEYOND_USE),
         "known": known(result),
         "margins": {r["check"]: figs[r["check"]] for r in rows if r["check"] in figs},  # summary order
         "memory": memory(result),

@@ -21,7 +21,9 @@ namespace by name. A module provides the kernel, the wrapper, the fused-linear r
   adapter's); or whose wrapper's CP backward cannot run (`"cp_gradient": False`: its CP cases run
   without autograd). A value may be given per device, `{"cpu": False}`: a run on that device
   fits its cases to False, any other to True;
-- `HARNESS_MEMORY_BUDGET`: dict of retained/peak budgets as multiples of `T * V_local * 4` bytes.
+- `HARNESS_MEMORY_BUDGET`: dict of retained/peak budgets as multiples of `T * V_local * 4` bytes;
+- `HARNESS_USE`: the inputs the trainer's own callers never make, each entry citing the trainer's
+  file and line (`harness.checks.use`): findings on them are `beyond-use`, the others `in-use`.
 
 A routine older than the contract's newest parameters (no `with_entropy_grad`, no top-p arguments)
 is called without them, and the capability that this means is inferred false (`CONTRACTS`,
@@ -59,6 +61,7 @@ class Target:
     inferred: dict[str, bool] = field(default_factory=dict)  # capabilities read off the signatures
     not_checked: dict[str, str] = field(default_factory=dict)  # level -> why its routine cannot be called
     omitted: dict[str, frozenset[str]] = field(default_factory=dict)  # level -> contract parameters it lacks
+    use: list[dict[str, Any]] = field(default_factory=list)  # HARNESS_USE (`harness.checks.use`)
 
     @property
     def levels(self) -> tuple[str, ...]:
@@ -197,7 +200,8 @@ def from_namespace(spec: str, ns: ModuleType | Any) -> Target:
         raise TargetError("; ".join(not_checked.values()))
     declared = dict(getattr(ns, "HARNESS_CAPABILITIES", {}))
     return Target(spec, fns["kernel"], fns["wrapper"], {**declared, **inferred},
-                  dict(getattr(ns, "HARNESS_MEMORY_BUDGET", {})), fns["linear"], inferred, not_checked, omitted)
+                  dict(getattr(ns, "HARNESS_MEMORY_BUDGET", {})), fns["linear"], inferred, not_checked, omitted,
+                  list(getattr(ns, "HARNESS_USE", [])))
 
 
 _cache: dict[str, Target] = {}

@@ -29,11 +29,27 @@ SOURCE = PeerSource("ms-swift", files=("swift/megatron/trainers/vocab_parallel_u
 HARNESS_CAPABILITIES = {"keep_mask": False, "metric_only_entropy": False}
 HARNESS_PEER = dict(requires=("megatron.core", "swift"), install=HOW, upstream=(
     "swift.megatron.trainers.vocab_parallel_utils.compute_logps_and_entropy_from_logits",))
-SWIFT_DEFAULT_ENTROPY_CHUNK = 512
 
 _VP = SOURCE.load()  # None without ms-swift's tree on sys.path; RoutineMissing when this commit lacks the file
 if _VP is not None:
     missing(SOURCE, _VP, "compute_logps_and_entropy_from_logits")
+
+
+def swift_kernel(vp, logits, tokens, with_entropy=False, chunk_size=-1):
+    """ms-swift's call, as its Megatron GRPO trainer makes it (`_compute_per_token_logps`): the
+    logits as `[1, T, V_local]`, the aligned labels as `[1, T]`; `chunk_size <= 0` is ms-swift's
+    default entropy chunk, 512. Needs only torch and `vp`, ms-swift's `vocab_parallel_utils.py`:
+    `harness repro --script` embeds it."""
+    labels = tokens.reshape(1, -1).to(device=logits.device, dtype=torch.long)
+    log_prob, entropy = vp.compute_logps_and_entropy_from_logits(
+        logits.unsqueeze(0), labels, compute_entropy=with_entropy,
+        entropy_chunk_size=chunk_size if chunk_size > 0 else 512)
+    return log_prob.reshape(-1), entropy.reshape(-1) if entropy is not None else None
+
+
+# `harness repro --script`: the files the call needs from ms-swift's tree, and the call itself.
+HARNESS_SCRIPT = {"name": "ms-swift", "files": {"vp": SOURCE.files}, "kernel": swift_kernel, "megatron": True,
+                  "how": HOW}
 
 
 def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
@@ -45,8 +61,4 @@ def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False
         raise ValueError(f"logits must be [T, V_local], got {tuple(logits.shape)}")
     vp = SOURCE.require(_VP)
     parallel_state_group(tp_group, "ms-swift's vocab_parallel_utils")
-    labels = tokens.reshape(1, -1).to(device=logits.device, dtype=torch.long)
-    log_prob, entropy = vp.compute_logps_and_entropy_from_logits(
-        logits.unsqueeze(0), labels, compute_entropy=with_entropy,
-        entropy_chunk_size=chunk_size if chunk_size > 0 else SWIFT_DEFAULT_ENTROPY_CHUNK)
-    return log_prob.reshape(-1), entropy.reshape(-1) if entropy is not None else None
+    return swift_kernel(vp, logits, tokens, with_entropy, chunk_size)

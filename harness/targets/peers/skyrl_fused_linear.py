@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from harness.targets.peers._source import missing
-from harness.targets.peers.skyrl import _MU, HOW, SOURCE, _group, _inference_only, _mu
+from harness.targets.peers.skyrl import _MU, HOW, SOURCE, _group, _mu
 
 HARNESS_CAPABILITIES = {"entropy": False, "keep_mask": False, "metric_only_entropy": False}
 HARNESS_PEER = dict(requires=("megatron.core", "skyrl"), install=HOW, upstream=(
@@ -37,22 +37,39 @@ if _MU is not None:
     missing(SOURCE, _MU, "FusedLinearChunkedDistributedLogprob")
 
 
+def skyrl_fused(mu, hidden, weight, tokens, tp_group, with_entropy=False, chunk_size=-1):
+    """SkyRL's call of its fused LM-head log-prob as its Megatron worker makes it: the decoder's
+    `[1, T, H]` output, this rank's `[V_local, H]` head shard and its vocab range, the TP group, and
+    `inference_only` on the passes without a gradient; at TP > 1 with megatron-core's
+    `copy_to_tensor_model_parallel_region` around the hidden states (the sum of the ranks' hidden
+    gradients that SkyRL's sequence-parallel gather does). `chunk_size <= 0`: one chunk of all rows.
+    Needs only torch, megatron-core and `mu`, SkyRL's `model_utils.py`: `harness repro --script`
+    embeds it."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+    v_local = weight.shape[0]
+    start = dist.get_rank(tp_group) * v_local
+    chunk = chunk_size if chunk_size > 0 else max(hidden.shape[0], 1)
+    h = hidden.unsqueeze(0)  # [1, T, H]: a view of the caller's hidden states, strided when they are
+    if tp_group.size() > 1 and h.requires_grad:
+        h = copy_to_tensor_model_parallel_region(h)  # SkyRL's caller's sum of the TP ranks' hidden gradients
+    target = tokens.reshape(1, -1).to(device=hidden.device, dtype=torch.long)
+    inference_only = not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad))
+    log_prob = mu.FusedLinearChunkedDistributedLogprob.apply(h, weight, target, start, start + v_local, chunk,
+                                                             tp_group, inference_only)
+    return log_prob.reshape(-1), None
+
+
+# `harness repro --script`: the file the call needs from SkyRL's tree, and the call itself.
+HARNESS_SCRIPT = {"name": "SkyRL", "files": {"mu": SOURCE.files}, "linear": skyrl_fused, "megatron": True,
+                  "how": HOW}
+
+
 def calculate_linear_log_probs_and_entropy(hidden, weight, tokens, tp_group, with_entropy=False, chunk_size=-1,
                                            with_entropy_grad=True):
     """Fused-linear level over SkyRL: `(log_prob [T] float32, None)`."""
     if with_entropy:
         raise NotImplementedError("SkyRL's fused entropy is a no-grad metric (HARNESS_CAPABILITIES['entropy'] is False)")
-    mu = _mu()
-    group, rank = _group(tp_group)
-    v_local = weight.shape[0]
-    start = rank * v_local
-    chunk = chunk_size if chunk_size > 0 else max(hidden.shape[0], 1)
-    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
-
-    h = hidden.unsqueeze(0)  # [1, T, H]: a view of the caller's hidden states, strided when they are
-    if group.size() > 1 and h.requires_grad:
-        h = copy_to_tensor_model_parallel_region(h)  # SkyRL's caller's sum of the TP ranks' hidden gradients
-    target = tokens.reshape(1, -1).to(device=hidden.device, dtype=torch.long)
-    log_prob = mu.FusedLinearChunkedDistributedLogprob.apply(h, weight, target, start, start + v_local, chunk, group,
-                                                             _inference_only(hidden) and _inference_only(weight))
-    return log_prob.reshape(-1), None
+    group, _ = _group(tp_group)
+    return skyrl_fused(_mu(), hidden, weight, tokens, group, with_entropy, chunk_size)

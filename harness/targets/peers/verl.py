@@ -24,25 +24,38 @@ HARNESS_PEER = dict(requires=("verl", "megatron.core"), install="pip install ver
                               "verl.utils.megatron.tensor_parallel.vocab_parallel_log_probs_from_logits"))
 
 
-def engine_call(logits, tokens, tp_group, with_entropy, log_prob_keep_mask, entropy_fn):
-    """verl's engine's composition, with `entropy_fn(logits)` as the entropy: log-probs on a clone
-    when an entropy is computed (verl's clone, as in _lm_head_logits_processor)."""
-    from verl.utils.megatron.tensor_parallel import vocab_parallel_log_probs_from_logits
+HOW = ("git clone https://github.com/verl-project/verl && export PYTHONPATH=$PWD/verl:$PYTHONPATH "
+       "(tensor_parallel.py needs torch and megatron-core only), or pip install verl")
+FILES = {"tp": ("verl/utils/megatron/tensor_parallel.py",)}
 
-    if log_prob_keep_mask is not None:
-        raise NotImplementedError("verl takes no keep mask (HARNESS_CAPABILITIES['keep_mask'] is False)")
-    parallel_state_group(tp_group, "verl's tensor_parallel functions")
+
+def verl_engine(tp, logits, tokens, with_entropy=False, chunk_size=-1):
+    """verl's engine's composition (`MegatronEngine._lm_head_logits_processor`): with an entropy,
+    the log-probs on `logits.clone()` and the entropy on the logits themselves. Needs only torch
+    and `tp`, verl's `verl/utils/megatron/tensor_parallel.py`: `harness repro --script` embeds it."""
     tokens = tokens.reshape(-1).to(device=logits.device, dtype=torch.long)
     entropy, logits_bak = None, logits
     if with_entropy:
         logits_bak = logits.clone()
-        entropy = entropy_fn(logits)
-    return vocab_parallel_log_probs_from_logits(logits_bak, tokens), entropy
+        entropy = tp.vocab_parallel_entropy(logits)
+    return tp.vocab_parallel_log_probs_from_logits(logits_bak, tokens), entropy
+
+
+# `harness repro --script`: the file the call needs from verl's tree, and the call itself.
+HARNESS_SCRIPT = {"name": "verl", "files": FILES, "kernel": verl_engine, "megatron": True, "how": HOW}
+
+
+def checked(tp_group, log_prob_keep_mask):
+    """verl's module, after refusing what verl cannot take (a keep mask, a group not parallel_state's)."""
+    from verl.utils.megatron import tensor_parallel
+
+    if log_prob_keep_mask is not None:
+        raise NotImplementedError("verl takes no keep mask (HARNESS_CAPABILITIES['keep_mask'] is False)")
+    parallel_state_group(tp_group, "verl's tensor_parallel functions")
+    return tensor_parallel
 
 
 def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
                                     log_prob_keep_mask=None, with_entropy_grad=True):
     """Level 1 kernel over verl: `(log_prob [T] float32, entropy [T] in the logits' dtype or None)`."""
-    from verl.utils.megatron.tensor_parallel import vocab_parallel_entropy
-
-    return engine_call(logits, tokens, tp_group, with_entropy, log_prob_keep_mask, vocab_parallel_entropy)
+    return verl_engine(checked(tp_group, log_prob_keep_mask), logits, tokens, with_entropy)

@@ -4,25 +4,46 @@ As the `verl` adapter, with the entropy verl's engine computes when
 `entropy_from_logits_with_chunking` is set: `_VocabParallelEntropy` applied to slices of at most
 `chunk_size` sequence positions, written into a float32 `zeros` buffer. It chunks along dimension 1
 of a `[batch, seq, V_local]` tensor (a 2-D input raises `IndexError`), so the adapter hands it the
-logits as a batch of one, `logits.unsqueeze(0)`: a view, no copy. `chunk_size <= 0` means verl's
-default, 2048.
+logits as a batch of one, `logits.unsqueeze(0)`: a view, no copy, as verl's engine passes its
+`[1, total_nnz, V_local]` logits. `chunk_size <= 0` means verl's default, 2048. Before verl #6446
+the engine had no chunked entropy on Megatron and computed `vocab_parallel_entropy` whatever
+`entropy_from_logits_with_chunking` said; the adapter follows that form on such a tree.
 """
 from __future__ import annotations
 
-from harness.targets.peers.verl import engine_call
+import torch
+
+from harness.targets.peers.verl import FILES, HOW, checked
 
 HARNESS_CAPABILITIES = {"keep_mask": False, "metric_only_entropy": False}
 HARNESS_PEER = dict(requires=("verl", "megatron.core"), install="pip install verl==0.9.1",
                     upstream=("verl.utils.megatron.tensor_parallel.vocab_parallel_entropy_with_chunking",
                               "verl.utils.megatron.tensor_parallel.vocab_parallel_log_probs_from_logits"))
-VERL_DEFAULT_CHUNK = 2048
+
+
+def verl_engine_chunked(tp, logits, tokens, with_entropy=False, chunk_size=-1):
+    """verl's engine's composition with `entropy_from_logits_with_chunking` set: the entropy of
+    `vocab_parallel_entropy_with_chunking` on the `[1, T, V_local]` logits (chunks of `chunk_size`
+    rows; `<= 0`: verl's default, 2048), the log-probs on `logits.clone()`. A tree from before verl
+    #6446 has no chunked entropy, and its engine computed `vocab_parallel_entropy` whatever the flag
+    said: so does this. Needs only torch and `tp`: `harness repro --script` embeds it."""
+    tokens = tokens.reshape(-1).to(device=logits.device, dtype=torch.long)
+    entropy, logits_bak = None, logits
+    if with_entropy:
+        logits_bak = logits.clone()
+        if hasattr(tp, "vocab_parallel_entropy_with_chunking"):
+            chunk = chunk_size if chunk_size > 0 else 2048
+            entropy = tp.vocab_parallel_entropy_with_chunking(logits.unsqueeze(0), chunk_size=chunk).squeeze(0)
+        else:
+            entropy = tp.vocab_parallel_entropy(logits)
+    return tp.vocab_parallel_log_probs_from_logits(logits_bak, tokens), entropy
+
+
+# `harness repro --script`: the file the call needs from verl's tree, and the call itself.
+HARNESS_SCRIPT = {"name": "verl", "files": FILES, "kernel": verl_engine_chunked, "megatron": True, "how": HOW}
 
 
 def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
                                     log_prob_keep_mask=None, with_entropy_grad=True):
     """Level 1 kernel over verl's chunked entropy: `(log_prob [T] float32, entropy [T] float32 or None)`."""
-    from verl.utils.megatron.tensor_parallel import vocab_parallel_entropy_with_chunking
-
-    chunk = chunk_size if chunk_size > 0 else VERL_DEFAULT_CHUNK
-    return engine_call(logits, tokens, tp_group, with_entropy, log_prob_keep_mask,
-                       lambda x: vocab_parallel_entropy_with_chunking(x.unsqueeze(0), chunk_size=chunk).squeeze(0))
+    return verl_engine_chunked(checked(tp_group, log_prob_keep_mask), logits, tokens, with_entropy, chunk_size)

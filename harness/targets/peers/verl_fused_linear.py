@@ -17,8 +17,6 @@ lost the hidden states' `requires_grad`). The `impl_backend="torch"` path is che
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from harness.targets.peers._mpu import gather_vocab
@@ -26,18 +24,37 @@ from harness.targets.peers._mpu import gather_vocab
 HARNESS_CAPABILITIES = {"metric_only_entropy": False, "tensor_parallel": False}
 HARNESS_PEER = dict(requires=("verl",), install="pip install verl==0.9.1",
                     upstream=("verl.utils.experimental.torch_functional.FusedLinearForPPO",))
-VERL_DEFAULT_CHUNK = 512
+HOW = ("git clone https://github.com/verl-project/verl && export PYTHONPATH=$PWD/verl:$PYTHONPATH "
+       "(torch_functional.py needs torch only), or pip install verl")
+
+
+def verl_linear(tf, hidden, weight, tokens, with_entropy=False, chunk_size=-1):
+    """verl's call, as its model forwards make it (`verl/models/transformers/dense_common.py`):
+    `FusedLinearForPPO(chunk_size)` on the decoder's `[B, T, H]` output and `[B, T]` labels, with
+    the full LM head; `chunk_size <= 0` is verl's default, 512. Needs only torch and `tf`, verl's
+    `torch_functional.py`: `harness repro --script` embeds it."""
+    import inspect
+
+    chunk = chunk_size if chunk_size > 0 else 512
+    # verl's first forms (before its Triton backend) take no impl_backend: they are the torch path.
+    takes_backend = "impl_backend" in inspect.signature(tf.FusedLinearForPPO.__init__).parameters
+    fused = tf.FusedLinearForPPO(chunk_size=chunk, impl_backend="torch") if takes_backend \
+        else tf.FusedLinearForPPO(chunk_size=chunk)
+    tokens = tokens.reshape(1, -1).to(device=hidden.device, dtype=torch.long)
+    log_prob, entropy = fused(hidden.unsqueeze(0), weight, tokens)
+    return log_prob[0], entropy[0] if with_entropy else None
+
+
+# `harness repro --script`: the file the call needs from verl's tree, and the call (at TP 1: verl's
+# fused linear is not tensor-parallel, and the harness's gather of the shards is not verl's code).
+HARNESS_SCRIPT = {"name": "verl", "files": {"tf": ("verl/utils/experimental/torch_functional.py",)}, "linear": verl_linear,
+                  "how": HOW}
 
 
 def calculate_linear_log_probs_and_entropy(hidden, weight, tokens, tp_group, with_entropy=False, chunk_size=-1,
                                            with_entropy_grad=True):
     """Fused-linear level over verl: `(log_prob [T] float32, entropy [T] or None)`."""
-    from verl.utils.experimental.torch_functional import FusedLinearForPPO
+    from verl.utils.experimental import torch_functional
 
-    chunk = chunk_size if chunk_size > 0 else VERL_DEFAULT_CHUNK
-    # verl's first forms (before its Triton backend) take no impl_backend: they are the torch path.
-    takes_backend = "impl_backend" in inspect.signature(FusedLinearForPPO.__init__).parameters
-    fused = FusedLinearForPPO(chunk_size=chunk, impl_backend="torch") if takes_backend else FusedLinearForPPO(chunk_size=chunk)
-    tokens = tokens.reshape(1, -1).to(device=hidden.device, dtype=torch.long)
-    log_prob, entropy = fused(hidden.unsqueeze(0), gather_vocab(weight, tp_group, dim=0), tokens)
-    return log_prob[0], entropy[0] if with_entropy else None
+    return verl_linear(torch_functional, hidden, gather_vocab(weight, tp_group, dim=0), tokens, with_entropy,
+                       chunk_size)
