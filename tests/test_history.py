@@ -77,17 +77,19 @@ def test_history_finds_the_defect_and_the_fix(repo, tmp_path, capsys):
     clean, defect, fix = h["rows"]
     assert fix["same_as"] == shas["clean"] and h["checked"] == 2  # the fix repeats the clean file: not run again
     assert all(r["inferred"] == {"metric_only_entropy": False} for r in h["rows"])
-    assert clean["cells"]["gradients"]["state"] == "pass" and defect["cells"]["gradients"]["state"] == "finding"
-    assert {"family": "gradients", "introduced": shas["defect"][:10], "fixed": shas["fix"][:10]}.items() \
-        <= h["transitions"][0].items()
+    # The defect is the entropy term's gradient: its family, not the log-prob term's, fails.
+    assert clean["cells"]["gradients [entropy]"]["state"] == "pass"
+    assert defect["cells"]["gradients [entropy]"]["state"] == "finding"
+    assert defect["cells"]["gradients [log-prob]"]["state"] == "pass"
+    stretch = next(t for t in h["transitions"] if t["family"] == "gradients [entropy]")
+    assert {"introduced": shas["defect"][:10], "fixed": shas["fix"][:10]}.items() <= stretch.items()
     assert f"| `{shas['defect'][:10]}` |" in table and "FAILS FROM HERE" in table and "FIXED HERE" in table
     assert (out / f"{shas['defect'][:10]}.json").exists() and (out / "history.html").exists()
     # The stretch's repro names the repository and the defect commit, and its case is the shrunk finding's.
-    stretch = h["transitions"][0]
     assert stretch["shrunk"] and stretch["repro"].startswith(
         f"python -m harness repro --repo {path} --commit {shas['defect']} --target lp ")
     finding = next(f for f in json.loads((out / f"{shas['defect'][:10]}.json").read_text())["findings"]
-                   if f["shrunk"] and f["check"] == "gradients")
+                   if f["shrunk"] and f["family"] == "gradients [entropy]")
     assert stretch["case"] == finding["case"] and shlex.split(stretch["repro"])[-1] == finding["case"]
 
 

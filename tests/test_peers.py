@@ -6,6 +6,7 @@ Runs on the session's pools (the plugin's `harness_pools` fixture), no pools of 
 """
 from __future__ import annotations
 
+import importlib
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +15,10 @@ from hypothesis import strategies as st
 
 from harness.base.errors import TargetError
 from harness.cases.case import KernelCase, LinearCase, WrapperCase, parse_case
+from harness.checks.findings import BEYOND_USE
+from harness.checks.findings import IN_USE as IN_USE_MARK
 from harness.checks.known import load as load_known
+from harness.checks.use import parse_use
 from harness.driver.explorer import strategy_for
 from harness.driver.runner import Runner
 from harness.targets import load_target
@@ -45,7 +49,8 @@ CLEAN += [WrapperCase(tp=tp, v_local=6, total_lengths=(5, 8), response_lengths=(
           for tp, chunk in ((1, -1), (2, 4))]
 CLEAN += [WrapperCase(tp=2, v_local=3, total_lengths=(1, 3, 8), response_lengths=(0, 0, 0), chunk_size=2,
                       regime="peaked", seed=3)]
-# One case per known finding, with the check that must report it: the finding is real and shows.
+# One case per known finding or finding beyond the peer's use (its HARNESS_USE), with the check that
+# must report it: the finding is real, shows, and is explained (known, or beyond the use).
 WITNESSES: dict[str, list[tuple[str, str]]] = {
     "megatron": [("kernel:tp=2,T=5,v_local=4,with_entropy=0,seed=1594", "input-integrity"),
                  ("kernel:tp=1,T=5,v_local=4,with_entropy=0,seed=1,context=accumulate", "gradients"),
@@ -57,8 +62,7 @@ WITNESSES: dict[str, list[tuple[str, str]]] = {
              ("kernel:tp=2,T=4,v_local=8,seed=3", "input-integrity"),
              ("kernel:tp=1,T=5,v_local=4,with_entropy=0,seed=1,context=accumulate", "gradients"),
              ("kernel:tp=1,T=4,v_local=8,seed=4,context=two_calls", "crash")],
-    "verl_chunked": [("kernel:tp=1,T=5,v_local=8,chunk_size=2,seed=5", "crash"),
-                     ("kernel:tp=1,T=5,v_local=4,with_entropy=0,seed=1,context=accumulate", "gradients"),
+    "verl_chunked": [("kernel:tp=1,T=5,v_local=4,with_entropy=0,seed=1,context=accumulate", "gradients"),
                      ("kernel:tp=2,T=0,v_local=4", "grad-flags")],
     "verl_fused_linear": [("linear:tp=1,T=6,H=16,v_local=7,dtype=bf16,seed=3", "shapes-dtypes"),
                           ("linear:tp=1,T=6,H=64,v_local=7,dtype=fp16,regime=wide,chunk_size=9,seed=964", "values")],
@@ -69,8 +73,8 @@ WITNESSES: dict[str, list[tuple[str, str]]] = {
                 ("kernel:tp=1,T=0,v_local=4,with_entropy=0,chunk_size=2", "empty-input")],
     "nemo_rl_unpacked": [("wrapper:tp=2,v_local=3,total_lengths=4/6,response_lengths=2/3,with_entropy=0,"
                           "layout=transposed", "crash")],
-    "ms_swift": [("kernel:tp=2,T=1,v_local=4,with_entropy=0,with_entropy_grad=0", "gradients"),
-                 ("kernel:tp=2,T=2,v_local=4,regime=neginf,with_entropy=0,with_entropy_grad=0", "finite"),
+    "ms_swift": [("kernel:tp=1,T=2,v_local=8,regime=neginf,seed=1", "finite"),
+                 ("kernel:tp=2,T=3,v_local=4,loss_terms=entropy,seed=2", "gradients"),
                  ("kernel:tp=1,T=0,v_local=4", "empty-input"),
                  ("kernel:tp=1,T=1,v_local=4,dtype=bf16", "shapes-dtypes")],
     "prime_rl": [("linear:tp=1,T=1,H=8,v_local=4", "crash"),
@@ -82,7 +86,13 @@ WITNESSES: dict[str, list[tuple[str, str]]] = {
             ("kernel:tp=1,T=4,v_local=8,dtype=bf16,seed=2", "shapes-dtypes"),
             ("kernel:tp=1,T=0,v_local=4", "empty-input")],
 }
-
+# Defects in the peer's own use: each case must give a new finding in use, of this family.
+IN_USE: dict[str, list[tuple[str, str]]] = {
+    "verl_chunked": [("kernel:tp=1,T=5,v_local=8,chunk_size=2,seed=5", "crash")],
+    "ms_swift": [("kernel:tp=2,T=1,v_local=4,with_entropy=0,with_entropy_grad=0", "gradients [log-prob]")],
+    "verl_fused_linear": [("linear:tp=1,T=1,H=8,v_local=4,with_entropy=0,with_entropy_grad=0,frozen=weight",
+                           "frozen-input-work [frozen=weight]")],
+}
 
 def _installed(name: str):
     peer = PEERS[name]
@@ -102,11 +112,13 @@ def _runner(pools, name: str) -> Runner:
 
 
 def _explained(runner: Runner, case) -> set[str]:
-    """The checks that found something in `case`; fails on any finding the known file does not explain."""
+    """The checks that found something in `case`; fails on any finding neither the known file nor
+    the peer's use (HARNESS_USE: beyond it) explains."""
     before = len(runner.verdicts.known_findings)
     _, new = runner.check(case)  # the findings no entry explains
-    assert not new, f"unexplained: {new[0].check}: {new[0].message}\n{new[0].repro}"
-    return {f.check for f in runner.verdicts.known_findings[before:]}
+    in_use = [f for f in new if f.use != BEYOND_USE]
+    assert not in_use, f"unexplained: {in_use[0].check}: {in_use[0].message}\n{in_use[0].repro}"
+    return {f.check for f in runner.verdicts.known_findings[before:]} | {f.check for f in new}
 
 
 def test_every_adapter_loads_and_declares_itself() -> None:
@@ -126,13 +138,36 @@ def test_cuda_only_peer_is_refused_on_cpu_with_its_reason() -> None:
             Runner(PEERS[name].spec)
 
 
-def test_every_known_finding_has_a_witness() -> None:
-    """A known file and the witnesses below name the same checks, so no entry goes unexercised."""
-    for name, peer in PEERS.items():
-        if peer.known is None:
-            continue
-        named = {c for e in load_known(peer.known).entries for c in e.checks}
-        assert {check for _, check in WITNESSES[name]} <= named, name
+def test_every_witness_is_a_known_or_beyond_use_check() -> None:
+    """The witnesses below name checks of the peer's known file or its declared use, so none tests
+    a finding nothing explains."""
+    for name, witnesses in WITNESSES.items():
+        peer = PEERS[name]
+        named = {c for e in load_known(peer.known).entries for c in e.checks} if peer.known else set()
+        use = load_target(peer.spec).use
+        assert all(check in named or any(not u.get("check") or check in u["check"] for u in use)
+                   for _, check in witnesses), name
+
+
+def test_every_peer_declares_its_use_citing_its_callers() -> None:
+    """Each adapter's HARNESS_USE is valid (`checks.use`) and each entry cites a file and line."""
+    import re
+
+    for peer in PEERS.values():
+        module = importlib.import_module(peer.spec)
+        assert hasattr(module, "HARNESS_USE"), peer.name
+        for entry in parse_use(peer.spec, module.HARNESS_USE):
+            assert re.search(r"[\w/.-]+\.py:\d+", entry.reason), f"{peer.name}: {entry.reason}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", sorted(IN_USE))
+def test_defects_in_the_peer_s_own_use_are_findings_in_use(harness_pools, name: str) -> None:
+    """Never hidden in a known file: a new finding, in the peer's use, of its own family."""
+    runner = _runner(harness_pools, name)
+    for spec, family in IN_USE[name]:
+        _, new = runner.check(parse_case(spec))
+        assert any(f.family == family and f.use == IN_USE_MARK for f in new), (spec, [(f.family, f.use) for f in new])
 
 
 @pytest.mark.distributed
@@ -357,7 +392,7 @@ def test_peers_command_writes_the_matrix(tmp_path) -> None:
     megatron = rows["megatron"]
     assert megatron["status"] == "ran" and megatron["cases"] > 0
     assert megatron["profile"] == "smoke" and megatron["elapsed_s"] > 0 and megatron["cpu_s"] > 0
-    assert megatron["cells"]["input-integrity"]["state"] == "known"  # #1594, explained by its known file
+    assert megatron["cells"]["input-integrity"]["state"] == "beyond"  # #1594, on logits Megatron never reads again
     assert not [c for c in megatron["cells"].values() if c["state"] == "finding"]
     assert (out / "peers.html").read_text().startswith("<!DOCTYPE html>") and (out / "megatron.json").exists()
 

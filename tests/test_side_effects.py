@@ -177,6 +177,18 @@ def test_a_raise_only_at_cp_names_the_capability_line_and_no_hang(harness_pools)
 
 
 @pytest.mark.distributed
+def test_a_raise_on_the_cp_path_of_a_wrapper_with_cp_is_its_defect_not_a_missing_capability(harness_pools):
+    """A wrapper that asks parallel_state for its CP size implements CP: the capability line that
+    declares no CP would hide the defect, so the finding says so instead of offering it."""
+    runner = Runner("tests.targets.cp_path_raises", pools=harness_pools)
+    findings = runner.explain(runner.check(parse_case(CP_CASE))[1])
+    crash = next(f for f in findings if f.check == "crash")
+    assert crash.message.startswith("it raised only at CP > 1")
+    assert "implements context parallelism (it asks megatron-core's parallel_state" in crash.message
+    assert "would only hide it" in crash.message
+
+
+@pytest.mark.distributed
 def test_the_harness_step_refusing_an_output_is_named_as_the_harness_s_not_a_crash(harness_pools):
     runner = Runner("tests.targets.no_cp_wrapper", pools=harness_pools)
     findings = {f.check: f for f in runner.explain(runner.check(parse_case(CP_CASE))[1])}

@@ -21,8 +21,14 @@ from harness.checks.terms import exercised
 from harness.checks.use import beyond
 
 # `about(check, evidence, problems) -> [(term, context, problems)]`: a failing check's problems
-# split by family (the driver's `Runner.about`, which may run the case's variants to tell).
+# split by family (the driver's `Runner.about`, which may run the case's variants to tell; it raises
+# `Later` when it cannot run them yet, and the check is judged again afterwards).
 About = Callable[[Check, Evidence, list[str]], list[tuple[str, str, list[str]]]]
+
+
+class Later(Exception):
+    """The family of a failing check cannot be told now (the ranks are busy with another job):
+    nothing was counted, judge it again once they are free."""
 
 KNOWN_KEPT = 200  # known findings kept for the report; every match is counted on its entry
 
@@ -64,6 +70,11 @@ class Verdicts:
             problems = chk.fn(ev)
         except Exception as e:  # outputs malformed beyond what the check anticipated
             problems = [f"the check could not evaluate the outputs: {type(e).__name__}: {e}"]
+        try:
+            groups = (about(chk, ev, problems) if about is not None else [("", "", problems)]) if problems else []
+        except Later:
+            del ev.margins[first:]  # recorded again when it is judged again
+            raise
         stats = self.stats[(chk.name, case.level)]
         stats.applied += 1
         used = [m for _, m in ev.margins[first:] if m == m]
@@ -73,7 +84,6 @@ class Verdicts:
             held = self.properties[case.config()].setdefault(chk.name, [0, 0])
             held[0] += 1
             held[1] += not problems
-        groups = (about(chk, ev, problems) if about is not None else [("", "", problems)]) if problems else []
         ranks = sorted({r.rank for r in ev.failed_ranks})
         findings = [Finding(chk.name, case.level, case.spec(), "; ".join(said)[:4000], repro, ranks=ranks,
                             term=term, context=context) for term, context, said in groups]

@@ -19,7 +19,7 @@ from harness.checks.findings import Finding, repro_command
 from harness.checks.known import load as load_known
 from harness.checks.terms import GRADIENT, gradient_terms, named_output
 from harness.checks.use import parse_use
-from harness.checks.verdicts import Verdicts
+from harness.checks.verdicts import Later, Verdicts
 from harness.driver import torchrun
 from harness.driver.pool import COMPILE_BOUND_S, STARTUP_TIMEOUT_S, WorkerPool, meanwhile
 from harness.engine.executor import CASE_JOB
@@ -104,6 +104,7 @@ class Runner:
         # what the checks concluded (harness.checks.verdicts), each finding in or beyond the target's use
         self.verdicts = Verdicts(use=parse_use(self.target.spec, self.target.use))
         self._probes: dict[tuple[str, Case], list[str] | None] = {}  # (check, case) -> its problems (`probe`)
+        self._in_flight = False  # a job is on the pools: the main process's work may not start another
 
     @classmethod
     def for_run(cls, cfg: RunConfig, target: str | None = None) -> "Runner":
@@ -172,7 +173,11 @@ class Runner:
                 self._store(case, pool, meter_memory,
                             pool.run(CASE_JOB, case, self.target.spec, meter_memory, while_waiting=while_waiting))
                 while_waiting = None
-        meanwhile(while_waiting)
+        self._in_flight = True
+        try:
+            meanwhile(while_waiting)
+        finally:
+            self._in_flight = False
         for case, pool, meter_memory in jobs:
             if isinstance(pool, WorkerPool):
                 self._store(case, pool, meter_memory, pool.collect())
@@ -303,7 +308,10 @@ class Runner:
                 if chk.needs and not twin.completed(chk.needs):
                     continue  # the twin's own crash is reported when it runs as a case
                 ev.twins[chk.name] = twin
-            outcome[chk.name] = self.verdicts.judge(chk, ev, repro, self.about)
+            try:
+                outcome[chk.name] = self.verdicts.judge(chk, ev, repro, self.about)
+            except Later:  # its family needs a case run while the ranks run a twin: judged after it
+                del outcome[chk.name]
 
     def probe(self, chk: Check, case: Case) -> list[str] | None:
         """`chk`'s problems on another case (with its twin), for telling a finding's family; not
@@ -312,6 +320,8 @@ class Runner:
         case = self.fit(case)
         key = (chk.name, case)
         if key not in self._probes:
+            if self._in_flight:
+                raise Later
             self._probes[key] = self._judge_alone(chk, case) if chk.applicable(case, self.target) else None
         return self._probes[key]
 

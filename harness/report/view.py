@@ -105,7 +105,8 @@ def findings(result: dict[str, Any], use: str = IN_USE) -> list[dict[str, Any]]:
         lines = [line for line in f["message"].strip().splitlines() if line.strip()] or [""]
         about = family_label(f["check"], f.get("term", ""), f.get("context", "")) \
             if f.get("term") or f.get("context") else ""
-        out.append({**f, "role": role, "headline": lines[0], "lead": lines[:SHOWN_LINES], "about": about,
+        out.append({"beyond": "", "script": "", **f, "role": role, "headline": lines[0], "lead": lines[:SHOWN_LINES],
+                    "about": about,
                     "more": len(lines) > SHOWN_LINES or any(len(line) > 300 for line in lines)})
     return out
 

@@ -6,6 +6,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness.cases import case as cases
+
 
 def parallel_state_group(tp_group: Any, who: str) -> Any:
     """parallel_state's TP group, after making sure it is the group the harness asked for: a peer
@@ -47,3 +49,12 @@ def gather_vocab(t: torch.Tensor, tp_group: Any, dim: int = -1) -> torch.Tensor:
     if tp_group is None or tp_group.size() == 1:
         return t
     return _GatherVocab.apply(t, tp_group, dim)
+
+
+# What megatron-core hands the trainers built on it, cited in their adapters' HARNESS_USE
+# (harness.checks.use), as megatron-core 0.16.1 has it.
+GPT_LOGITS_CONTIGUOUS = ("megatron-core's GPTModel returns its logits as `logits.transpose(0, 1).contiguous()` "
+                         "(megatron/core/models/gpt/gpt_model.py:712)")
+FLOAT16_OUTPUT_FP32 = ("megatron-core's Float16Module upcasts the last pipeline stage's output to float32 "
+                       "(megatron/core/transformer/module.py:495, fp32_output=True by default)")
+NONCONTIGUOUS = list(cases.NONCONTIGUOUS)  # the logits layouts that are not contiguous

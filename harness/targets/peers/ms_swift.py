@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.targets.peers._mpu import parallel_state_group
+from harness.targets.peers._mpu import FLOAT16_OUTPUT_FP32, GPT_LOGITS_CONTIGUOUS, NONCONTIGUOUS, parallel_state_group
 from harness.targets.peers._source import PeerSource, missing
 
 HOW = ("git clone https://github.com/modelscope/ms-swift && export PYTHONPATH=$PWD/ms-swift:$PYTHONPATH "
@@ -29,6 +29,25 @@ SOURCE = PeerSource("ms-swift", files=("swift/megatron/trainers/vocab_parallel_u
 HARNESS_CAPABILITIES = {"keep_mask": False, "metric_only_entropy": False}
 HARNESS_PEER = dict(requires=("megatron.core", "swift"), install=HOW, upstream=(
     "swift.megatron.trainers.vocab_parallel_utils.compute_logps_and_entropy_from_logits",))
+# What ms-swift's own callers make (its Megatron GRPO trainer, `swift/megatron/trainers/grpo_trainer.py`,
+# and the log-probs of `swift/megatron/trainers/utils.py:449`); the harness's cases beyond it are
+# findings beyond its use (harness.checks.use).
+HARNESS_USE = [
+    {"where": {}, "check": ["gradients", "tp-invariance", "chunk-invariance", "finite"], "term": "entropy",
+     "why": "swift/megatron/trainers/grpo_trainer.py:1079-1106: the entropy is a logged metric and, through "
+            "`entropies >= entropy_threshold`, a token mask; the GRPO loss never differentiates it"},
+    {"where": {"regime": "neginf"},
+     "why": "swift/megatron/trainers/grpo_trainer.py:899-906 (and utils.py:445-449): the logits are the model's "
+            "output, divided by the temperature; nothing masks them to -inf"},
+    {"where": {"T": 0},
+     "why": "swift/megatron/trainers/grpo_trainer.py:892-906: the logits are those of a micro-batch of encoded "
+            "samples, each with its prompt tokens: never empty"},
+    {"where": {"dtype": ["bf16", "fp16"]},
+     "why": "swift/megatron/utils/megatron_lm_utils.py:521 wraps the model in Float16Module: "
+            f"{FLOAT16_OUTPUT_FP32}, so the logits reach this routine in float32"},
+    {"where": {"layout": NONCONTIGUOUS},
+     "why": f"swift/megatron/trainers/grpo_trainer.py:899: the logits are the model's output; {GPT_LOGITS_CONTIGUOUS}"},
+]
 
 _VP = SOURCE.load()  # None without ms-swift's tree on sys.path; RoutineMissing when this commit lacks the file
 if _VP is not None:

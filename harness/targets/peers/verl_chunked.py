@@ -14,11 +14,14 @@ from __future__ import annotations
 import torch
 
 from harness.targets.peers.verl import FILES, HOW, checked
+from harness.targets.peers.verl import HARNESS_USE as VERL_USE
 
 HARNESS_CAPABILITIES = {"keep_mask": False, "metric_only_entropy": False}
 HARNESS_PEER = dict(requires=("verl", "megatron.core"), install="pip install verl==0.9.1",
                     upstream=("verl.utils.megatron.tensor_parallel.vocab_parallel_entropy_with_chunking",
                               "verl.utils.megatron.tensor_parallel.vocab_parallel_log_probs_from_logits"))
+# verl's engine calls the chunked entropy where it calls the unchunked one: the same use (verl.py).
+HARNESS_USE = VERL_USE
 
 
 def verl_engine_chunked(tp, logits, tokens, with_entropy=False, chunk_size=-1):

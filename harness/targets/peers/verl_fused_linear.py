@@ -24,6 +24,17 @@ from harness.targets.peers._mpu import gather_vocab
 HARNESS_CAPABILITIES = {"metric_only_entropy": False, "tensor_parallel": False}
 HARNESS_PEER = dict(requires=("verl",), install="pip install verl==0.9.1",
                     upstream=("verl.utils.experimental.torch_functional.FusedLinearForPPO",))
+# What verl's own caller makes: its model forward with fused kernels (`verl/models/transformers/dense_common.py:104-127`)
+# hands over the decoder's hidden states and `self.lm_head.weight`. Under LoRA
+# (`verl/workers/engine/fsdp/transformer_impl.py:349`, peft) the base parameters, the LM head among
+# them, are frozen (a frozen head: in use) and the adapters train in the decoder layers.
+HARNESS_USE = [
+    {"where": {"frozen": "hidden"},
+     "why": "verl/workers/engine/fsdp/transformer_impl.py:349 wraps the model in peft's LoRA with "
+            "target_modules all-linear (verl/trainer/config/model/hf_model.yaml:49): the adapters train in the "
+            "decoder layers, so the hidden states verl/models/transformers/dense_common.py:104 hands over require grad; without LoRA every "
+            "parameter trains: a frozen trunk under a trained head never happens"},
+]
 HOW = ("git clone https://github.com/verl-project/verl && export PYTHONPATH=$PWD/verl:$PYTHONPATH "
        "(torch_functional.py needs torch only), or pip install verl")
 
