@@ -191,9 +191,13 @@ def test_a_raise_on_the_cp_path_of_a_wrapper_with_cp_is_its_defect_not_a_missing
 @pytest.mark.distributed
 def test_the_harness_step_refusing_an_output_is_named_as_the_harness_s_not_a_crash(harness_pools):
     runner = Runner("tests.targets.no_cp_wrapper", pools=harness_pools)
-    findings = {f.check: f for f in runner.explain(runner.check(parse_case(CP_CASE))[1])}
+    found = runner.explain(runner.check(parse_case(CP_CASE))[1])
+    findings = {f.check: f for f in found}
     assert "crash" not in findings and "hang" not in findings, sorted(findings)
-    message = findings["wrapper-extraction"].message
+    # The log-probs' extraction (its family: the log-prob term, at CP > 1 only), as the step refused them.
+    extraction = next(f for f in found if f.check == "wrapper-extraction" and f.term == "log-prob")
+    assert extraction.context == "cp=zigzag"
+    message = extraction.message
     assert message.startswith("wrong only at CP > 1")
     assert "the harness's loss step, not the routine, stopped here" in message
     assert "upstream gradient of the 2 response positions this CP rank's zigzag chunks hold" in message

@@ -73,8 +73,10 @@ def test_a_problem_names_its_output_and_a_gradient_its_loss_terms() -> None:
 
 def test_a_family_says_what_its_failing_configurations_share() -> None:
     tp2, tp1 = parse_case("kernel:tp=2,T=3,v_local=4"), parse_case("kernel:tp=1,T=3,v_local=8")
-    assert where({config_key(tp2): [3, 3], config_key(tp1): [4, 0]}) == "at TP > 1"
+    chunked = config_key(tp2.replace(chunk_size=2))
+    assert where({config_key(tp2): [3, 3], chunked: [2, 1], config_key(tp1): [4, 0]}) == "at TP > 1"
     assert where({config_key(tp2): [3, 1], config_key(tp1): [4, 1]}) == ""  # nothing sets them apart
+    assert where({config_key(tp2): [3, 3], config_key(tp1): [4, 0]}) == ""  # one configuration: nothing general
 
 
 def test_use_entries_are_validated_and_match_by_check_term_and_fields() -> None:
@@ -140,12 +142,14 @@ def test_history_tells_one_term_s_fix_and_a_new_defect_in_a_family_that_already_
     """A fix of the log-prob gradient at TP > 1 is FIXED HERE while the entropy's gradient keeps failing;
     a crash that fails on more configurations is marked where it changes."""
     tp2, tp1 = config_key(parse_case("kernel:tp=2,T=3,v_local=4")), config_key(parse_case("kernel:tp=1,T=3,v_local=8"))
+    tp2_bf16 = config_key(parse_case("kernel:tp=2,T=3,v_local=4,dtype=bf16"))
     chunked = config_key(parse_case("kernel:tp=1,T=5,v_local=8,chunk_size=2"))
     two = config_key(parse_case("kernel:tp=1,T=5,v_local=8,context=two_calls"))
 
     def result(lp_fails: bool, crash_chunked: int) -> dict:
-        fams = {"gradients [log-prob]": _family("gradients", "log-prob", {tp2: [3, 3 * lp_fails], tp1: [4, 0]},
-                                                 3 * lp_fails),
+        fams = {"gradients [log-prob]": _family("gradients", "log-prob", {tp2: [3, 3 * lp_fails],
+                                                                           tp2_bf16: [2, 2 * lp_fails], tp1: [4, 0]},
+                                                 5 * lp_fails),
                 "gradients [entropy]": _family("gradients", "entropy", {tp2: [3, 3], tp1: [4, 0]}, 3),
                 "crash": _family("crash", "", {two: [2, 1], chunked: [3, crash_chunked]}, 1 + crash_chunked)}
         case = "kernel:tp=2,T=3,v_local=4"

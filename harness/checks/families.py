@@ -104,27 +104,36 @@ _PHRASES = {
     "mask": {"masked": "with a keep mask or top-p", "unmasked": "without a mask"},
     "entropy": {"differentiable entropy": "with a differentiable entropy", "metric-only entropy":
                 "with a metric-only entropy", "log-prob only": "without the entropy", "empty": "at T = 0"},
+    "layout": {v: f"with {v} logits" for v in ("transposed", "row_strided", "col_strided", "offset", "nonleaf")}
+    | {v: f"with {v} hidden states" for v in ("shifted", "seq_first")},
+    "context": {v: f"in {v}" for v in ("no_grad", "inference_mode", "accumulate", "two_calls", "two_inputs")},
+    "frozen": {"weight": "with the weight frozen", "hidden": "with the hidden states frozen"},
+    "cp": {"zigzag": "at CP > 1 (zigzag)", "allgather": "at CP > 1 (all-gather)"},
 }
+
+
+WHERE_DIMS = ("tp", "dtype", "regime", "chunks", "entropy", "mask")  # what `where` may say, in this order
+WHERE_SAID = 3  # at most this many of them
 
 
 def where(configs: dict[str, list[int]]) -> str:
     """What a family's failing configurations share that its passing ones do not ("at TP > 1",
-    "in bfloat16, with -inf logits"); "" when nothing sets them apart. `configs`: config key ->
-    [cases checked, cases failed]."""
+    "in bfloat16, with -inf logits"); "" when nothing sets them apart, or one configuration alone
+    fails (it shares everything with itself). `configs`: config key -> [cases checked, cases failed]."""
     failing = [parse_config(k) for k, (_, failed) in configs.items() if failed]
-    if not failing:
+    if len(failing) < 2:
         return ""
     passing = [parse_config(k) for k, (applied, failed) in configs.items() if applied > failed]
     said = []
-    for dim in ("level", *CONFIG_FIELDS):
+    for dim in WHERE_DIMS:
         values = {c.get(dim) for c in failing}
         if len(values) != 1:
             continue
         value = values.pop()
         if value is None or not any(c.get(dim) != value for c in passing):
             continue  # shared by the passing configurations too: says nothing
-        said.append(_PHRASES.get(dim, {}).get(value, f"{dim} {value}" if dim != "level" else f"at the {value} level"))
-    return ", ".join(said)
+        said.append(_PHRASES[dim].get(value, f"{dim} {value}"))
+    return ", ".join(said[:WHERE_SAID])
 
 
 def changed(before: dict[str, list[int]], now: dict[str, list[int]]) -> tuple[list[str], list[str]]:
@@ -136,13 +145,18 @@ def changed(before: dict[str, list[int]], now: dict[str, list[int]]) -> tuple[li
     return started, stopped
 
 
+_PLAIN = {"tp": "1", "dtype": "fp32", "regime": "normal", "chunks": "none", "mask": "unmasked",
+          "layout": "contiguous", "context": "train", "frozen": "none", "cp": "none"}
+
+
 def describe(keys: list[str]) -> str:
-    """A few configurations in words, for a history cell."""
+    """A few configurations in words, each by what it has beyond the plain path, for a history line."""
     shown = []
     for key in keys[:3]:
         c = parse_config(key)
-        shown.append(" ".join(f"{k} {v}" for k, v in c.items() if k in ("level", "tp", "dtype", "chunks", "context",
-                                                                          "entropy", "layout", "regime")))
+        said = [_PHRASES.get(dim, {}).get(c[dim], f"{dim} {c[dim]}") for dim in CONFIG_FIELDS
+                if dim in c and c[dim] != _PLAIN.get(dim)]
+        shown.append(", ".join(said) or "the plain path")
     return "; ".join(shown) + (f"; and {len(keys) - 3} more" if len(keys) > 3 else "")
 
 

@@ -82,6 +82,7 @@ def _run_peer(peer: Peer, ns: argparse.Namespace, workdir: Path) -> dict[str, An
     result = json.loads(out.read_text())
     return {"status": "ran", "cases": result["cases_run"], **times, "cells": matrix.peer_cells(result),
             "findings": len(result["findings"]), "known_findings": len(result.get("known_findings", [])),
+            "beyond_use": sum(f.get("use") == "beyond-use" for f in result["findings"]),
             "command": " ".join(cmd[1:])}
 
 
@@ -89,7 +90,8 @@ def _said(row: dict[str, Any]) -> str:
     """A finished peer's line: its result and its time."""
     spent = f"{row['elapsed_s']} s wall, {row['cpu_s']} s CPU (profile {row['profile']})"
     if row["status"] == "ran":
-        return f"{row['cases']} cases, {row['findings']} new and {row['known_findings']} known findings; {spent}"
+        return (f"{row['cases']} cases, {row['findings']} new ({row['findings'] - row['beyond_use']} in its use, "
+                f"{row['beyond_use']} beyond it) and {row['known_findings']} known findings; {spent}")
     return f"{row['status']}: {row['reason']}" + (f"; {spent}" if "elapsed_s" in row else "")
 
 

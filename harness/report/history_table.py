@@ -42,6 +42,7 @@ def history_rows(commits_: list[Commit], outcomes: dict[str, CommitOutcome], rep
     stand-alone script beside it where one can be written."""
     rows: list[dict[str, Any]] = []
     before: dict[str, dict[str, Any]] = {}  # family -> its cell at the last commit checked so far
+    checked_before = False
     for c in commits_:
         outcome = outcomes[c.same_as or c.sha]
         row = {"sha": c.sha, "short": c.short, "date": c.date, "subject": c.subject, "same_as": c.same_as,
@@ -58,7 +59,8 @@ def history_rows(commits_: list[Commit], outcomes: dict[str, CommitOutcome], rep
                     cell["repro"] = repro_line(repo, c.sha, target, cell["case"], device)
                     if cell.get("script"):
                         cell["script"] = script_command(cell["repro"], cell["check"], cell.get("term", ""))
-                was = None if prev is None else matrix.SEVERITY[prev["state"]]
+                # A family first met after the first commit checked had no failing case before it.
+                was = matrix.SEVERITY[prev["state"]] if prev is not None else 0 if checked_before else None
                 now = matrix.SEVERITY[state]
                 if fails and was is None:
                     cell["mark"] = "failing"
@@ -72,6 +74,7 @@ def history_rows(commits_: list[Commit], outcomes: dict[str, CommitOutcome], rep
                         cell.update(mark="changed", started=started, stopped=stopped)
                 before[fam] = cell
                 row["cells"][fam] = cell
+            checked_before = True
         rows.append(row)
     return rows
 

@@ -47,6 +47,12 @@ HARNESS_USE = [
             f"{FLOAT16_OUTPUT_FP32}, so the logits reach this routine in float32"},
     {"where": {"layout": NONCONTIGUOUS},
      "why": f"swift/megatron/trainers/grpo_trainer.py:899: the logits are the model's output; {GPT_LOGITS_CONTIGUOUS}"},
+    {"where": {"context": ["accumulate", "two_calls", "two_inputs"]},
+     "why": "swift/megatron/trainers/grpo_trainer.py:899-906: one call on each micro-batch's own model output; no "
+            "second call or second backward reaches the same logits tensor"},
+    {"where": {}, "check": "input-integrity",
+     "why": "swift/megatron/trainers/grpo_trainer.py:899-906 (and utils.py:445-449): the logits are read by this "
+            "call only; what it leaves in them is never read again"},
 ]
 
 _VP = SOURCE.load()  # None without ms-swift's tree on sys.path; RoutineMissing when this commit lacks the file
