@@ -172,7 +172,7 @@ def test_history_tells_one_term_s_fix_and_a_new_defect_in_a_family_that_already_
                             "tp": [1, 2], "checked": 3, "elapsed_s": 1.0, "transitions": list(stretches.values()),
                             "families": ["gradients [log-prob]", "gradients [entropy]", "crash"]})
     assert f"- log-prob gradients at TP > 1: FAILS ALREADY at `{'a' * 10}`, FIXED HERE on `{'c' * 10}`" in text
-    assert "CHANGES HERE" in text and "fails also on" in text
+    assert "CHANGES HERE" in text and "starts failing in two_calls" not in text and "starts failing with two or more chunks" in text
 
 
 # A routine whose log-prob gradient misses the normaliser's share (its log-sum-exp detached):

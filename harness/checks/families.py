@@ -156,7 +156,7 @@ def describe(keys: list[str]) -> str:
         c = parse_config(key)
         said = [_PHRASES.get(dim, {}).get(c[dim], f"{dim} {c[dim]}") for dim in CONFIG_FIELDS
                 if dim in c and c[dim] != _PLAIN.get(dim)]
-        shown.append(", ".join(said) or "the plain path")
+        shown.append(", ".join(said) or "on the plain path")
     return "; ".join(shown) + (f"; and {len(keys) - 3} more" if len(keys) > 3 else "")
 
 

@@ -181,7 +181,7 @@ def write(target: Target, case: Case, check: str, term: str, path: Path) -> list
     if why:
         raise ValueError(why)
     how = recipe(target, case.level)
-    assert isinstance(how, Recipe)
+    assert isinstance(how, Recipe) and isinstance(case, (KernelCase, LinearCase))  # `refusal` said so
     data = _data(case, check)
     present = {k: v for k, v in data.items() if v is not None}
     sidecar = path.with_suffix(".pt") if sum(v.numel() for v in present.values()) > LITERAL_LIMIT else None
@@ -279,8 +279,8 @@ def _t(values, shape, dtype):
 '''
 
 
-def _render(target: Target, case: Case, check: str, term: str, how: Recipe, data: dict[str, Any],
-            sidecar: Path | None, name: str) -> str:
+def _render(target: Target, case: KernelCase | LinearCase, check: str, term: str, how: Recipe,
+            data: dict[str, Any], sidecar: Path | None, name: str) -> str:
     routine = ", ".join(how.files) or (how.module or how.file)
     peer = how.name or (Path(how.file).stem if how.file else target.spec.rpartition(".")[2])
     title = f"{check}{f' ({term} term)' if term else ''} of {peer}'s routine, reproduced with torch and its own code."

@@ -97,8 +97,8 @@ def transitions(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 out.append(open_[fam])
             elif mark in ("introduced", "changed") and fam in open_:
                 what = "a new finding in use" if mark == "introduced" else \
-                    "; ".join(p for p in (f"fails also on {describe(cell['started'])}" if cell.get("started") else "",
-                                          f"passes now on {describe(cell['stopped'])}" if cell.get("stopped") else "")
+                    "; ".join(p for p in (f"starts failing {describe(cell['started'])}" if cell.get("started") else "",
+                                          f"stops failing {describe(cell['stopped'])}" if cell.get("stopped") else "")
                               if p)
                 open_[fam]["changes"].append({"commit": row["short"], "what": what, "repro": cell.get("repro"),
                                               "script": cell.get("script", "")})
