@@ -349,3 +349,106 @@ def dead_names(path: Path) -> list[str]:
 @pytest.mark.parametrize("page", PAGES, ids=rel)
 def test_the_code_a_page_names_exists(page):
     assert dead_names(page) == []
+
+
+# --- Figures stated twice -------------------------------------------------------------------------
+# The README's Figures table holds the figures of record, each with the command that reproduces it. A
+# page restates one where a sentence or a table row names that command in backticks, or in the
+# paragraph right after a code block that runs it (`.venv/bin/` and `[optional parts]` aside). There,
+# every number given with one of the figure's named units, word for word ("1403 case runs", "381 s
+# wall", "1.43x the CLI's time to the first finding"), must be one the README gives with that unit.
+
+NUMBER = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
+QUANTITY = re.compile(rf"(?<![\w.])({NUMBER}(?:(?:, and |, | and | to |/|-){NUMBER})*)([x%])?((?: [A-Za-z][\w/'%-]*)*)")
+
+
+def command(text: str) -> str:
+    """A command as the docs compare it: without `.venv/bin/`, `[optional parts]` or a comment."""
+    text = re.sub(r"\[[^\]]*\]|\s#.*$", "", text).replace(".venv/bin/", "")
+    return " ".join(text.split())
+
+
+def quantities(text: str) -> dict[str, set[float]]:
+    """Unit (the words after a number, lower case) -> the numbers a text gives with it. A bare unit
+    ("381 s", "1.4x") names no quantity, and is left out."""
+    text = re.sub(r"`[^`]*`", "CODE", re.sub(r"\]\([^)]*\)", "]", text))  # code spans and link targets
+    out: dict[str, set[float]] = {}
+    for numbers, glued, words in QUANTITY.findall(text):
+        unit = f"{glued}{words}".strip().lower()
+        if len(unit) > 3 or " " in unit:  # a name, not a bare unit ("s", "x", "min")
+            out.setdefault(unit, set()).update(float(n.replace(",", "")) for n in re.findall(NUMBER, numbers))
+    return out
+
+
+@cache
+def figures_of_record() -> dict[str, dict[str, set[float]]]:
+    """Command -> the quantities its row of the README's Figures table gives."""
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("\n## Figures"):]
+    out = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and re.fullmatch(r"`[^`]+`", cells[2]):
+            out[command(cells[2].strip("`"))] = quantities(cells[1])
+    return out
+
+
+def statements(path: Path) -> list[tuple[int, str, str]]:
+    """(line, command, text) where a page states something about a figure's command: its sentences
+    and table rows that name it in backticks, and the paragraph after a code block that runs it.
+    The README's own Figures table is the record, not a statement."""
+    commands = figures_of_record()
+    out: list[tuple[int, str, str]] = []
+
+    def said(paragraph: list[tuple[int, str]], after: str | None) -> None:
+        if after is not None:
+            out.append((paragraph[0][0], after, " ".join(text for _, text in paragraph)))
+        rows = [(n, text) for n, text in paragraph if text.lstrip().startswith("|")]
+        prose = " ".join(text.strip() for n, text in paragraph if not text.lstrip().startswith("|"))
+        pieces = rows + [(paragraph[0][0], p) for p in re.split(r"(?<=[.!?])\s+(?=[A-Z`(*])", prose) if p]
+        for n, piece in pieces:
+            out.extend((n, command(c), piece) for c in re.findall(r"`([^`]+)`", piece) if command(c) in commands)
+
+    fenced, after, paragraph = False, None, []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if path == ROOT / "README.md" and line.startswith("## Figures"):
+            break
+        fence = line.lstrip().startswith(("```", "~~~"))
+        fenced ^= fence
+        code = fence or fenced or (line.startswith("    ") and not paragraph)
+        if code or not line.strip():
+            if paragraph:
+                said(paragraph, after)
+                after = None
+            paragraph = []
+            if code and command(line) in commands:
+                after = command(line)
+            continue
+        paragraph.append((n, line))
+    if paragraph:
+        said(paragraph, after)
+    return out
+
+
+def restated_otherwise(path: Path) -> list[str]:
+    bad = []
+    for n, cmd, text in statements(path):
+        record = figures_of_record()[cmd]
+        for unit, numbers in quantities(text).items():
+            if unit in record and not numbers <= record[unit]:
+                said = ", ".join(f"{x:g}" for x in sorted(numbers - record[unit]))
+                bad.append(f"{rel(path)}:{n}: {said} {unit} for `{cmd}`, where the README's figures say "
+                           f"{', '.join(f'{x:g}' for x in sorted(record[unit]))}")
+    return bad
+
+
+def test_the_readme_has_figures_of_record():
+    """The check below has teeth: the Figures table parses into commands and their quantities."""
+    record = figures_of_record()
+    assert len(record) >= 10 and all(record.values())
+    assert record["python scripts/throughput.py --cases 100"]["case runs/s at tp"] == {55.6, 90.5, 41.2}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=rel)
+def test_a_figure_of_record_is_restated_with_its_value(page):
+    assert restated_otherwise(page) == []
