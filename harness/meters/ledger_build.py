@@ -120,7 +120,7 @@ def _why(e: BaseException) -> str:
 
 @functools.cache
 def compiled() -> type | None:
-    """The C++ ledger's class, built at its first use in an environment (about 40 s of CPU) and
+    """The C++ ledger's class, built at its first use in an environment (about a minute on 2 cores) and
     loaded from the cache after; None where the Python ledger is chosen or it cannot be built
     (said once, on stderr). With `HARNESS_LEDGER=cpp` a failed build is an error."""
     choice = chosen()
