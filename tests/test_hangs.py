@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from cases.case import KernelCase
 from harness import cli
+from harness.cases.case import KernelCase
 from harness.checks import Evidence
 from harness.checks.findings import Finding
 from harness.driver import cpu_share

@@ -1,7 +1,7 @@
 """Which memory ledger a process uses, and the build of the C++ one (`ledger.cpp`).
 
 `HARNESS_LEDGER=cpp|python` chooses; unset, the C++ ledger is used where it builds and the Python
-one (`memory.ModeLedger`, the reference the C++ one is held to) where it does not, saying why once.
+one (`memory_meter.ModeLedger`, the reference the C++ one is held to) where it does not, saying why once.
 
 The build is cached under a name that hashes the source and everything its compile and link
 commands depend on (`compile_inputs`): torch's extension loader writes them into the build folder's
