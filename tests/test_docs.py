@@ -200,13 +200,18 @@ NOT_CODE = {"json", "html", "md", "toml", "txt", "xml", "yaml", "csv", "png", "s
 
 @cache
 def modules() -> dict[str, Path]:
-    """Every module of the project by its dotted name; a package by its `__init__.py`."""
+    """Every module of the project by its dotted name; a package by its `__init__.py`. A folder linked
+    into a package (`harness/cases`) gives its modules that name too."""
+    import os
+
     out = {p.stem: p for p in ROOT.glob("*.py")}
     for d in SOURCE_DIRS:
-        for p in (ROOT / d).rglob("*.py"):
-            parts = p.relative_to(ROOT).with_suffix("").parts
-            if "__pycache__" not in parts:
-                out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+        for folder, dirs, files in os.walk(ROOT / d, followlinks=True):
+            dirs[:] = [x for x in dirs if x != "__pycache__"]
+            for f in files:
+                if f.endswith(".py"):
+                    parts = Path(folder, f).relative_to(ROOT).with_suffix("").parts
+                    out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = Path(folder, f)
     return out
 
 
