@@ -128,7 +128,7 @@ CASE_LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
                            "on a rank without response rows; the redistribution's own buffers)"),
 }
 FAMILIES = ("default", "bitwise")  # bitwise: opt-in (`--bitwise`)
-CALL_LEVELS = ("kernel", "wrapper", "linear")  # checks of any call: it runs, returns, issues matched collectives
+CALL_LEVELS = ("kernel", "wrapper", "linear", "distill")  # checks of any call: it runs, returns, issues matched collectives
 
 
 @dataclass(frozen=True)
@@ -237,7 +237,7 @@ def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
 # The performance gate's checks (`harness.perf.gate`): they compare a run with a saved baseline,
 # not one case with the oracle, so they are not in the registry; findings and known entries name them.
 BASELINE_CHECKS = ("perf-time", "perf-instructions", "perf-collectives", "perf-memory")
-CHECK_MODULES = ("common", "kernel", "memory", "work", "wrapper", "side_effects", "bitwise")  # the order of summaries, JSON and test ids
+CHECK_MODULES = ("common", "kernel", "distill", "memory", "work", "wrapper", "side_effects", "bitwise")  # the order of summaries, JSON and test ids
 
 
 def all_checks(bitwise: bool = False) -> dict[str, Check]:

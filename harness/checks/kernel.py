@@ -8,10 +8,10 @@ from typing import Callable
 import torch
 
 from cases.case import Case, KernelCase, LinearCase
-from harness.checks import Evidence, check
+from harness.checks import Evidence, check, distill
 from harness.checks.terms import kernel_terms
 
-KERNEL = ("kernel", "linear")
+KERNEL = ("kernel", "linear", "distill")  # a distillation case is judged by `harness.checks.distill`
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -29,6 +29,8 @@ def _nonempty(c: KernelCase, t) -> bool:
 @check("values", levels=KERNEL, applies=_nonempty, needs="forward")
 def values(ev: Evidence) -> list[str]:
     """log-probs and entropy match the float64 oracle of the same input values, at float32 scale."""
+    if ev.case.level == "distill":
+        return distill.values(ev)
     problems = []
     for r in ev.ranks:  # every DP replica against the oracle of its own data
         exp = ev.expected_for(r)
@@ -41,7 +43,7 @@ def values(ev: Evidence) -> list[str]:
 
 
 def _gradient_terms(ev: Evidence, run: Callable[[Case], Evidence]) -> str:
-    return kernel_terms(ev, run, gradients)
+    return "" if ev.case.level == "distill" else kernel_terms(ev, run, gradients)
 
 
 @check("gradients", levels=KERNEL, applies=lambda c, t: c.T > 0 and c.has_backward, reads=("autograd",),
@@ -53,6 +55,8 @@ def gradients(ev: Evidence) -> list[str]:
     Linear level: the weight shard's gradient is its slice of the full head's, and every rank's
     hidden-state gradient is the full one (all-reduced over the TP group); a frozen input gets None.
     In every TP group of the world, against the oracle of its DP replica's data."""
+    if ev.case.level == "distill":
+        return distill.gradients(ev)
     problems = []
     for second in ((False, True) if ev.case.context == "two_inputs" else (False,)):
         for group in ev.groups():
@@ -93,6 +97,8 @@ def grad_flags(ev: Evidence) -> list[str]:
     level: the hidden states and weight require grad) (and
     autograd on: nothing carries a gradient under no_grad / inference_mode); entropy is None
     exactly when not requested; log_prob follows the logits."""
+    if ev.case.level == "distill":
+        return distill.grad_flags(ev)
     c = ev.case
     assert isinstance(c, (KernelCase, LinearCase))  # levels=KERNEL
     problems = []
@@ -118,6 +124,8 @@ def grad_flags(ev: Evidence) -> list[str]:
 def shapes_dtypes(ev: Evidence) -> list[str]:
     """T elements out, float32 out, the gradient in the logits' dtype and shape (linear level: the
     weight shard's and the hidden states' gradients in their dtype and shape)."""
+    if ev.case.level == "distill":
+        return distill.shapes_dtypes(ev)
     c = ev.case
     assert isinstance(c, (KernelCase, LinearCase))  # levels=KERNEL
     want_grad_dtype = _DTYPE_NAMES[c.dtype]
@@ -146,6 +154,8 @@ def shapes_dtypes(ev: Evidence) -> list[str]:
 @check("finite", levels=KERNEL, applies=_nonempty, needs="forward")
 def finite(ev: Evidence) -> list[str]:
     """No NaN or inf where the oracle is finite (outputs and gradient)."""
+    if ev.case.level == "distill":
+        return distill.finite(ev)
     exp = ev.expected
     pairs = [("log_prob", ev.obs().log_prob, exp.log_prob), ("entropy", ev.obs().entropy, exp.entropy),
              ("grad", ev.full_grad(), exp.grad)]
@@ -182,6 +192,8 @@ def _outputs_match(ev: Evidence, other: Evidence, what: str) -> list[str]:
        twin=lambda c: c.replace(chunk_size=-1) if c.chunk_size > 0 and c.T > 0 else None)
 def chunk_invariance(ev: Evidence) -> list[str]:
     """The same case unchunked gives the same answer within the tolerance."""
+    if ev.case.level == "distill":
+        return distill.outputs_match(ev, ev.twins["chunk-invariance"], "chunk_size=-1")
     return _outputs_match(ev, ev.twins["chunk-invariance"], "chunk_size=-1")
 
 
@@ -189,4 +201,6 @@ def chunk_invariance(ev: Evidence) -> list[str]:
        twin=lambda c: c.replace(tp=1, v_local=c.vocab) if c.T > 0 else None)
 def tp_invariance(ev: Evidence) -> list[str]:
     """The same global case at TP 1 gives the same answer within the tolerance."""
+    if ev.case.level == "distill":
+        return distill.outputs_match(ev, ev.twins["tp-invariance"], "TP 1")
     return _outputs_match(ev, ev.twins["tp-invariance"], "TP 1")
