@@ -615,11 +615,15 @@ class DistillCase(_CaseBase):
             for row in range(min(T, len(edges))):
                 s[row, edges[row]] = s[row].max() + _DISTILL_EDGE
                 t[row, edges[-1 - row]] = t[row].max() + _DISTILL_EDGE
-        if self.regime == "neginf" and T:  # a masked vocabulary: the same entries -inf in both
+        if self.regime == "neginf" and T:
+            # A masked vocabulary, the same entries -inf in both: the padded tail (its last quarter, as
+            # a vocabulary padded to a multiple of the TP size ends in whole shards at TP 4) and 30% of
+            # the rest; each row keeps a finite entry, and its planted edges.
             masked = torch.rand(T, V, generator=g) < 0.3
-            masked[torch.arange(T), torch.randint(0, V, (T,), generator=g)] = False  # a finite entry per row
-            for row in range(min(T, len(edges))):  # the planted edges stay finite
+            masked[torch.arange(T), torch.randint(0, V - V // 4, (T,), generator=g)] = False
+            for row in range(min(T, len(edges))):
                 masked[row, [edges[row], edges[-1 - row]]] = False
+            masked[:, V - V // 4:] = True
             s, t = s.masked_fill(masked, -math.inf), t.masked_fill(masked, -math.inf)
         if self.support_from_logits and self.regime == "ties" and self.width < V and T:
             # The routine picks the support: no tie at the k-th place (docs/contract.md), ties inside it.

@@ -98,8 +98,12 @@ def softmax_grad_bound(a: torch.Tensor, da: torch.Tensor, ids: torch.Tensor, pi:
     return on_support + pi * spread
 
 
-def output_rounding(grad: torch.Tensor, bound: torch.Tensor, weights: torch.Tensor | None, dtype: str) -> torch.Tensor:
-    """The bound of a gradient as the routine returns it: one float32 rounding and one to the logits'
-    dtype of the value, and the float32 and output underflow floors (as `tolerance.grad_bound`)."""
+def output_rounding(grad: torch.Tensor, bound: torch.Tensor, weights: torch.Tensor | None, dtype: str,
+                    temperature: float = 1.0) -> torch.Tensor:
+    """The bound of a gradient as the routine returns it: the float32 roundings of its last steps
+    (the difference `a - π Σ a`, its product with the upstream gradient, the division by a temperature
+    other than 1), one rounding to the logits' dtype, and the float32 and output underflow floors
+    (as `tolerance.grad_bound`)."""
     w = 0.0 if weights is None else weights.to(torch.float64).abs().reshape(weights.shape[0], -1).sum(-1, keepdim=True)
-    return bound + (U32 + OUT_U[dtype]) * grad.abs() + OUT_FLOOR["fp32"] * 64 * (1 + w) + OUT_FLOOR[dtype]
+    roundings = 2 + (temperature != 1.0)
+    return bound + (roundings * U32 + OUT_U[dtype]) * grad.abs() + OUT_FLOOR["fp32"] * 64 * (1 + w) + OUT_FLOOR[dtype]

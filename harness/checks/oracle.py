@@ -287,8 +287,8 @@ def distill_expected(case: DistillCase) -> DistillExpected:
             if grad_t is not None and pt is not None and rt is not None:
                 grad_t_tol = softmax_grad_bound(d["b"], derivative_error(d, "b", es, et), ids, pt, rt, V, tp) * wl.abs()
         if grad_t is not None and grad_t_tol is not None:
-            extra.update(grad_teacher=grad_t, grad_teacher_tol=output_rounding(grad_t, grad_t_tol / temp, w, case.dtype))
+            extra.update(grad_teacher=grad_t, grad_teacher_tol=output_rounding(grad_t, grad_t_tol / temp, w, case.dtype, temp))
     if grad_s is not None and grad_s_tol is not None:
-        grad_s_tol = output_rounding(grad_s, grad_s_tol / temp, w, case.dtype)
+        grad_s_tol = output_rounding(grad_s, grad_s_tol / temp, w, case.dtype, temp)
     return DistillExpected(log_prob=values.detach(), entropy=None, grad=grad_s, entropy_requires_grad=False,
                            log_prob_tol=tol, entropy_tol=None, grad_tol=grad_s_tol, **extra)

@@ -108,6 +108,14 @@ class FusedDistill:
         step = chunk_size if chunk_size > 0 else max(num_rows, 1)
         return [(s, min(s + step, num_rows)) for s in range(0, num_rows, step)]
 
+    def rows_of(self, t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """A per-row input's rows of the chunk ``[a, b)`` (ids, a teacher pass's log-probs)."""
+        return t[a:b]
+
+    def concat(self, parts: list[torch.Tensor], empty: torch.Tensor) -> torch.Tensor:
+        """The chunks' results joined, or `empty` when there are no rows (T == 0)."""
+        return torch.cat(parts) if parts else empty
+
     # ------------------------------------------------------------------ float32 arithmetic
     def scaled(self, rows: torch.Tensor, temperature: float) -> torch.Tensor:
         """``z = x / temperature`` in float32, never in place (``.float()`` of float32 is the input)."""
@@ -205,7 +213,7 @@ class FusedDistill:
             z = self.scaled(logits[a:b], temperature)
             (lse,) = self.normalisers([z], group)
             out.append(z - lse.unsqueeze(-1))
-        result = torch.cat(out) if out else logits.new_zeros(logits.shape, dtype=torch.float32)
+        result = self.concat(out, logits.new_zeros(logits.shape, dtype=torch.float32))
         ctx.routine, ctx.group, ctx.temperature, ctx.chunk_size = self, group, temperature, chunk_size
         ctx.dtype = logits.dtype
         ctx.save_for_backward(result)
@@ -228,14 +236,15 @@ class FusedDistill:
         out, lses = [], []
         for a, b in self.chunk_bounds(logits.shape[0], chunk_size):
             z = self.scaled(logits[a:b], temperature)
-            (values,) = self.gather_values([z], ids[a:b], start, group)
+            rows = self.rows_of(ids, a, b)
+            (values,) = self.gather_values([z], rows, start, group)
             if renormalize:
-                out.append(self.support_log_softmax(values, ids[a:b], start, z.shape[-1]))
+                out.append(self.support_log_softmax(values, rows, start, z.shape[-1]))
             else:
                 (lse,) = self.normalisers([z], group)
                 lses.append(lse)
                 out.append(values - lse.unsqueeze(-1))
-        result = torch.cat(out) if out else logits.new_zeros(ids.shape, dtype=torch.float32)
+        result = self.concat(out, logits.new_zeros(ids.shape, dtype=torch.float32))
         lse = torch.cat(lses) if lses else logits.new_zeros(0, dtype=torch.float32)
         ctx.routine, ctx.temperature, ctx.chunk_size, ctx.renormalize = self, temperature, chunk_size, renormalize
         ctx.start, ctx.dtype = start, logits.dtype
@@ -280,10 +289,8 @@ class FusedDistill:
             (lse,) = self.normalisers([z], group)
             values.append(gathered - lse.unsqueeze(-1))
             ids.append(top)
-        if not values:
-            return logits.new_zeros((0, width), dtype=torch.float32), torch.zeros((0, width), dtype=torch.int64,
-                                                                                  device=logits.device)
-        return torch.cat(values), torch.cat(ids)
+        return (self.concat(values, logits.new_zeros((0, width), dtype=torch.float32)),
+                self.concat(ids, torch.zeros((0, width), dtype=torch.int64, device=logits.device)))
 
     # ------------------------------------------------------------------ divergence
     def divergence_forward(self, ctx, student, teacher, teacher_log_probs, ids, group, k, kind, beta, temperature,
@@ -303,15 +310,16 @@ class FusedDistill:
                 local = self.terms(zs - lse_s.unsqueeze(-1), zt - lse_t.unsqueeze(-1), kind, beta).sum(dim=-1)
                 out.append(self.all_reduce(local, dist.ReduceOp.SUM, group, "terms"))
                 continue
-            sup = self.topk_ids(zt, k, start, v_local * world, group) if zt is not None else ids[a:b]
-            ls, lt, lse = self.support_log_probs(zs, zt, None if zt is not None else teacher_log_probs[a:b], sup,
+            sup = self.topk_ids(zt, k, start, v_local * world, group) if zt is not None else self.rows_of(ids, a, b)
+            given = None if zt is not None else self.rows_of(teacher_log_probs, a, b)
+            ls, lt, lse = self.support_log_probs(zs, zt, given, sup,
                                                  start, group, temperature, renormalize)
             supports.append(sup)
             on_support.append(torch.stack([ls, lt]))
             lses.append(lse)
             out.append(self.terms(ls, lt, kind, beta).sum(dim=-1))
         rows = student.shape[0]
-        result = torch.cat(out) if out else student.new_zeros(rows, dtype=torch.float32)
+        result = self.concat(out, student.new_zeros(rows, dtype=torch.float32))
         ctx.routine, ctx.group, ctx.kind, ctx.beta, ctx.temperature = self, group, kind, beta, temperature
         ctx.renormalize, ctx.chunk_size, ctx.start, ctx.whole = renormalize, chunk_size, start, whole
         ctx.dtypes = (student.dtype, teacher.dtype if teacher is not None else None)
