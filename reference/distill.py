@@ -8,6 +8,9 @@ entry: its probability is 0, and a divergence term with both probabilities 0 is 
 The divergence is written term by term (`divergence_terms`) with its `-inf` entries substituted
 before any product, so float64 autograd through it gives finite gradients wherever the true ones
 are finite; the checks' gradients and the tolerance's partial derivatives both come from it.
+
+Named for its level, as `checks/distill.py` checks it and `targets/mutants/distill.py` breaks it: a
+level keeps one module name across the layers.
 """
 from __future__ import annotations
 

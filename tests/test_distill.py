@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from reference import distill as ref
+from harness.reference import distill as ref
 
 
 def _rows(seed: int, T: int = 5, V: int = 11, neginf: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

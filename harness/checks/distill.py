@@ -1,7 +1,10 @@
 """Checks of the distillation level (docs/distill.md). The level shares the kernel's check names
 (`values`, `gradients`, `grad-flags`, `shapes-dtypes`, `finite`, `chunk-invariance`, `tp-invariance`:
 `harness.checks.kernel` hands a distillation case to the functions here) and adds two of its own:
-`divergence-self-zero` (KL(p, p) = 0, no oracle needed) and `memory-no-vocab-gather`."""
+`divergence-self-zero` (KL(p, p) = 0, no oracle needed) and `memory-no-vocab-gather`.
+
+Named for its level, as `reference/distill.py` is its oracle and `targets/mutants/distill.py` breaks
+it: a level keeps one module name across the layers."""
 from __future__ import annotations
 
 import math
@@ -9,7 +12,7 @@ from typing import Any
 
 import torch
 
-from cases.case import DistillCase
+from harness.cases.case import DistillCase
 from harness.checks import Evidence, check
 from harness.checks.oracle import DistillExpected
 from harness.engine.observations import RankResult
@@ -242,7 +245,7 @@ def _vocab_rows(c: Any) -> int:
     return c.T * c.vocab
 
 
-@check("memory-no-vocab-gather", levels=("distill",), min_tp=2, reads=("memory",), needs="forward",
+@check("memory-no-vocab-gather", levels=("distill",), min_ranks=2, reads=("memory",), needs="forward",
        applies=lambda c, t: c.T > 0 and c.width < c.v_local)
 def no_vocab_gather(ev: Evidence) -> list[str]:
     """No full-vocabulary gather: at TP > 1 no storage the call allocates or keeps, forward or

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from harness.checks.tolerance import C_FN, OUT_FLOOR, OUT_U, U32, _lse_err, growth, row_stats
-from reference import distill as ref
+from harness.reference import distill as ref
 
 # Roundings in one divergence term or its derivative: two elementary functions (exp, log) within 2 ulp
 # each, and up to six additions and products (jsd's mixture is the longest).

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-import reference
-from cases.case import Case, DistillCase, KernelCase, LinearCase, WrapperCase
+from harness import reference
+from harness.cases.case import Case, DistillCase, KernelCase, LinearCase, WrapperCase
 from harness.checks.distill_tolerance import (
     derivative_error,
     divergence_bound,
@@ -25,8 +25,8 @@ from harness.checks.distill_tolerance import (
     term_derivatives,
 )
 from harness.checks.tolerance import Rows, grad_bound, linear_bounds, value_bounds
-from reference import distill as ref
-from reference.cp import PAD, local_rows, response_positions
+from harness.reference import distill as ref
+from harness.reference.cp import PAD, local_rows, response_positions
 
 PerSample = list[torch.Tensor]
 

@@ -1,5 +1,8 @@
 """Distillation defects (docs/distill.md): each class overrides one step of the built-in distillation
-routine (`harness/targets/fused_distill.py`) and is checked at the distillation level only."""
+routine (`harness/targets/fused_distill.py`) and is checked at the distillation level only.
+
+Named for its level, as `reference/distill.py` is its oracle and `checks/distill.py` checks it: a
+level keeps one module name across the layers."""
 from __future__ import annotations
 
 import torch
