@@ -625,10 +625,15 @@ class DistillCase(_CaseBase):
                 masked[row, [edges[row], edges[-1 - row]]] = False
             masked[:, V - V // 4:] = True
             s, t = s.masked_fill(masked, -math.inf), t.masked_fill(masked, -math.inf)
-        if self.support_from_logits and self.regime == "ties" and self.width < V and T:
-            # The routine picks the support: no tie at the k-th place (docs/contract.md), ties inside it.
-            top = torch.rand(T, V, generator=g).argsort(dim=-1)[:, :self.width]
-            t.scatter_(1, top, 3.0)
+        if self.support_from_logits and self.width < V and T:
+            # The routine picks the support: no tie at the k-th place (docs/contract.md) in the values it
+            # gets (rounded to the dtype, where distinct values can meet), ties inside the support kept.
+            rounded = t.to(dtype).to(torch.float64)
+            order = torch.sort(rounded, dim=-1, descending=True, stable=True).indices
+            kth = rounded.gather(-1, order[:, self.width - 1:self.width + 1])
+            tied = (kth[:, 0] == kth[:, 1]) & torch.isfinite(kth[:, 0])
+            t[tied] = t[tied].scatter_add(-1, order[tied, :self.width], torch.ones(int(tied.sum()), self.width,
+                                                                                  dtype=torch.float64))
         if self.self_teacher:
             s = t.clone()
         student, teacher = s.to(dtype), t.to(dtype)

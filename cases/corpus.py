@@ -201,6 +201,9 @@ CORPUS: tuple[Regression, ...] = (
                _d(teacher="given", k=4, renormalize=False, chunk_size=4)),
     Regression("distill-self-divergence", "distillation: KL(p, p) = 0 at a temperature, over the whole vocabulary",
                "divergence-self-zero", _d(kind="reverse_kl", temperature=2.0, self_teacher=True)),
+    Regression("distill-no-grad-metric", "distillation: the divergence as a metric under torch.no_grad() (a "
+               "validation pass) equals the training path's bit for bit", "inference-path",
+               _d(kind="jsd", teacher="given", k=4, context="no_grad")),
     Regression("distill-empty-batch", "distillation: T == 0 (a rank without response tokens)", "empty-input",
                _d(tp=4, T=0, v_local=4, kind="jsd")),
     Regression("distill-no-vocab-gather", "distillation: a routine that all-gathers the vocabulary to call "

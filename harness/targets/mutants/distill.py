@@ -77,7 +77,8 @@ class VocabGathered(FusedDistill):
 
 
 @mutant("distill-masked-shard-skips-sum", "a rank whose chunk has a row with no finite logit skips the sum's "
-        "all-reduce", "collectives", tp=TP_ONLY, levels=DISTILL)
+        "all-reduce (gloo aborts the process on the mismatched sizes, or the ranks' collectives differ)",
+        ("collectives", "crash"), tp=TP_ONLY, levels=DISTILL)
 class MaskedShardSkipsSum(FusedDistill):
     def normalisers(self, zs, group):
         if any(bool((~torch.isfinite(z)).all(-1).any()) for z in zs):
@@ -123,11 +124,16 @@ class OutputInInputDtype(FusedDistill):
         return super().distill_divergence(student_logits, tp_group, **kw).to(student_logits.dtype)
 
 
-@mutant("distill-nan-at-masked-vocab", "forward KL's terms t (log t - log s) without the t == 0 guard: NaN at a "
-        "masked vocabulary entry", ("finite",), levels=DISTILL)
+@mutant("distill-nan-at-masked-vocab", "divergence terms without the zero-probability guard: 0 (log 0 - log 0) "
+        "is NaN at a masked vocabulary entry", ("finite",), levels=DISTILL)
 class NanAtMaskedVocab(FusedDistill):
     def terms(self, ls, lt, kind, beta):
-        return lt.exp() * (lt - ls) if kind == "forward_kl" else super().terms(ls, lt, kind, beta)
+        s, t = ls.exp(), lt.exp()
+        fwd, rev = t * (lt - ls), s * (ls - lt)
+        if kind == "jsd":
+            lm = (beta * t + (1.0 - beta) * s).log()
+            return beta * t * (lt - lm) + (1.0 - beta) * s * (ls - lm)
+        return {"forward_kl": fwd, "reverse_kl": rev, "mixed": beta * fwd + (1.0 - beta) * rev, "soft_ce": -t * ls}[kind]
 
 
 @mutant("distill-no-grad-path-differs", "under no_grad the divergence takes another path, which rounds it once "
