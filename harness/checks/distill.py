@@ -241,26 +241,28 @@ def self_zero(ev: Evidence) -> list[str]:
     return problems
 
 
-def _vocab_rows(c: Any) -> int:
-    return c.T * c.vocab
+def _chunk_rows(c: Any) -> int:
+    """The rows a call works on at once: its chunk's, or all of them."""
+    return min(c.T, c.chunk_size) if c.chunk_size > 0 else c.T
 
 
 @check("memory-no-vocab-gather", levels=("distill",), min_ranks=2, reads=("memory",), needs="forward",
        applies=lambda c, t: c.T > 0 and c.width < c.v_local)
 def no_vocab_gather(ev: Evidence) -> list[str]:
     """No full-vocabulary gather: at TP > 1 no storage the call allocates or keeps, forward or
-    backward, holds `T x V` elements (the whole vocabulary's rows, which only an all-gather of the
-    shards makes; every legitimate buffer is a shard's `T x V_local` or a top-k's `T x k`)."""
+    backward, spans the whole vocabulary's width for a chunk's rows (`>= V` columns and `>= rows x V`
+    elements, which only an all-gather of the shards makes; every legitimate buffer is a shard's
+    `V_local` columns or a top-k's `k`)."""
     c = _case(ev)
-    limit = _vocab_rows(c)
     problems = []
     for r in ev.ranks:
         mem = r.obs.memory
         for meter in ("retained", "peak_forward", "peak_backward"):
-            big = [t for t in mem.get(f"{meter}_tensors", []) if math.prod(t["shape"]) >= limit]
+            big = [t for t in mem.get(f"{meter}_tensors", [])
+                   if t["shape"] and t["shape"][-1] >= c.vocab and math.prod(t["shape"]) >= _chunk_rows(c) * c.vocab]
             if big:
                 t = big[0]
                 problems.append(f"{r.name}: {meter} holds {t['dtype']}{t['shape']} ({t['how']}, from {t['op']}): "
-                                f">= T x V = {c.T} x {c.vocab} elements, a full-vocabulary gather")
+                                f"the whole vocabulary's {c.vocab} columns for {_chunk_rows(c)} rows, a "
+                                f"full-vocabulary gather")
     return problems
-
