@@ -250,16 +250,16 @@ def _chunk_rows(c: Any) -> int:
        applies=lambda c, t: c.T > 0 and c.width < c.v_local)
 def no_vocab_gather(ev: Evidence) -> list[str]:
     """No full-vocabulary gather: at TP > 1 no storage the call allocates or keeps, forward or
-    backward, spans the whole vocabulary's width for a chunk's rows (`>= V` columns and `>= rows x V`
-    elements, which only an all-gather of the shards makes; every legitimate buffer is a shard's
-    `V_local` columns or a top-k's `k`)."""
+    backward, spans the whole vocabulary's width for a chunk's rows (`>= V` columns in its last
+    dimension over `>=` a chunk's rows in the others, which only an all-gather of the shards makes;
+    every legitimate buffer is a shard's `V_local` columns, a top-k's `k`, or a vector over the rows)."""
     c = _case(ev)
     problems = []
     for r in ev.ranks:
         mem = r.obs.memory
         for meter in ("retained", "peak_forward", "peak_backward"):
             big = [t for t in mem.get(f"{meter}_tensors", [])
-                   if t["shape"] and t["shape"][-1] >= c.vocab and math.prod(t["shape"]) >= _chunk_rows(c) * c.vocab]
+                   if t["shape"] and t["shape"][-1] >= c.vocab and math.prod(t["shape"][:-1]) >= _chunk_rows(c)]
             if big:
                 t = big[0]
                 problems.append(f"{r.name}: {meter} holds {t['dtype']}{t['shape']} ({t['how']}, from {t['op']}): "
