@@ -28,7 +28,10 @@ before its reduction: `masked_mean` is NeMo-RL's reduction of it (a weighted sum
 makes itself), so `loss_functions.py` is loaded on its own (`_source`) with `nemo_rl.algorithms.utils`
 stubbed: `masked_mean` hands its values back as they are, `calculate_kl` (not called by this loss)
 raises. `nemo_rl.algorithms.utils` and `nemo_rl/algorithms/loss/__init__.py` import NeMo-RL's
-generation stack (vLLM, zmq), which this loss never calls; `interfaces.py` is loaded on its own too.
+generation stack (vLLM, zmq), which this loss never calls; `interfaces.py` is loaded on its own too,
+and both see `BatchedDataDict` as `dict` (they only name it in annotations; its module imports the
+multimodal data stack at some commits). Before `nemo_rl/algorithms/loss/` existed the adapter is
+`untestable` (RoutineMissing).
 
 Its trainer's use: NeMo-RL's callers give this routine the model's raw bf16 or float32 logits, never
 `-inf` (`megatron/train.py:726`, `loss/utils.py:125`: the teacher's and the student's model outputs),
@@ -84,10 +87,14 @@ def _values(values: torch.Tensor, mask: Any = None, dim: Any = None, global_norm
     return values
 
 
+# BatchedDataDict is only named in these files' annotations (`BatchedDataDict[...]`); the loss reads its
+# data as a mapping. Its module imports NeMo-RL's multimodal data stack (decord) at some commits.
+_DATA = {"nemo_rl.distributed.batched_data_dict": {"BatchedDataDict": dict}}
 INTERFACES = PeerSource("NeMo-RL-loss-interfaces", files=("nemo_rl/algorithms/loss/interfaces.py",), markers=_MARKERS,
-                        how=HOW)
+                        how=HOW, stubs=_DATA)
 _IF = INTERFACES.load()
 LOSSES = PeerSource("NeMo-RL-loss-functions", files=(_LOSS_FILE,), markers=_MARKERS, how=HOW, stubs={
+    **_DATA,
     "nemo_rl.algorithms.loss.interfaces": dict(vars(_IF)) if _IF is not None else {},
     "nemo_rl.algorithms.utils": {"masked_mean": _values, "calculate_kl": _raises("calculate_kl")},
 })
