@@ -33,7 +33,8 @@ def _nonempty(c: KernelCase, t) -> bool:
 
 @check("values", levels=SHARED, applies=_nonempty, needs="forward")
 def values(ev: Evidence) -> list[str]:
-    """log-probs and entropy match the float64 oracle of the same input values, at float32 scale."""
+    """log-probs and entropy match the float64 oracle of the same input values, at float32 scale.
+    Distillation level: each function's output, a top-k as any valid top-k (docs/distill.md)."""
     if ev.case.level == "distill":
         return distill.values(ev)
     problems = []
@@ -59,7 +60,8 @@ def gradients(ev: Evidence) -> list[str]:
     with two calls on different inputs in one graph (two_inputs), each call's inputs get their own.
     Linear level: the weight shard's gradient is its slice of the full head's, and every rank's
     hidden-state gradient is the full one (all-reduced over the TP group); a frozen input gets None.
-    In every TP group of the world, against the oracle of its DP replica's data."""
+    In every TP group of the world, against the oracle of its DP replica's data.
+    Distillation level: the student's (and a differentiable teacher's) shards (docs/distill.md)."""
     if ev.case.level == "distill":
         return distill.gradients(ev)
     problems = []
@@ -101,7 +103,8 @@ def grad_flags(ev: Evidence) -> list[str]:
     """entropy.requires_grad == with_entropy and with_entropy_grad and logits.requires_grad (linear
     level: the hidden states and weight require grad) (and
     autograd on: nothing carries a gradient under no_grad / inference_mode); entropy is None
-    exactly when not requested; log_prob follows the logits."""
+    exactly when not requested; log_prob follows the logits.
+    Distillation level: the output follows the differentiable inputs (docs/distill.md)."""
     if ev.case.level == "distill":
         return distill.grad_flags(ev)
     c = ev.case
@@ -128,7 +131,8 @@ def grad_flags(ev: Evidence) -> list[str]:
 @check("shapes-dtypes", levels=SHARED, needs="forward")
 def shapes_dtypes(ev: Evidence) -> list[str]:
     """T elements out, float32 out, the gradient in the logits' dtype and shape (linear level: the
-    weight shard's and the hidden states' gradients in their dtype and shape)."""
+    weight shard's and the hidden states' gradients in their dtype and shape).
+    Distillation level: each function's shape, float32 out, int64 ids (docs/distill.md)."""
     if ev.case.level == "distill":
         return distill.shapes_dtypes(ev)
     c = ev.case
@@ -158,7 +162,8 @@ def shapes_dtypes(ev: Evidence) -> list[str]:
 
 @check("finite", levels=SHARED, applies=_nonempty, needs="forward")
 def finite(ev: Evidence) -> list[str]:
-    """No NaN or inf where the oracle is finite (outputs and gradient)."""
+    """No NaN or inf where the oracle is finite (outputs and gradient).
+    Distillation level: the output and the gradients (docs/distill.md)."""
     if ev.case.level == "distill":
         return distill.finite(ev)
     exp = ev.expected
@@ -196,7 +201,8 @@ def _outputs_match(ev: Evidence, other: Evidence, what: str) -> list[str]:
 @check("chunk-invariance", levels=SHARED,
        twin=lambda c: c.replace(chunk_size=-1) if c.chunk_size > 0 and c.T > 0 else None)
 def chunk_invariance(ev: Evidence) -> list[str]:
-    """The same case unchunked gives the same answer within the tolerance."""
+    """The same case unchunked gives the same answer within the tolerance.
+    Distillation level: a top-k's log-probs, not its ids (docs/distill.md)."""
     if ev.case.level == "distill":
         return distill.outputs_match(ev, ev.twins["chunk-invariance"], "chunk_size=-1")
     return _outputs_match(ev, ev.twins["chunk-invariance"], "chunk_size=-1")
@@ -205,7 +211,8 @@ def chunk_invariance(ev: Evidence) -> list[str]:
 @check("tp-invariance", levels=SHARED, min_ranks=2,
        twin=lambda c: c.replace(tp=1, v_local=c.vocab) if c.T > 0 else None)
 def tp_invariance(ev: Evidence) -> list[str]:
-    """The same global case at TP 1 gives the same answer within the tolerance."""
+    """The same global case at TP 1 gives the same answer within the tolerance.
+    Distillation level: a top-k's log-probs, not its ids (docs/distill.md)."""
     if ev.case.level == "distill":
         return distill.outputs_match(ev, ev.twins["tp-invariance"], "TP 1")
     return _outputs_match(ev, ev.twins["tp-invariance"], "TP 1")
