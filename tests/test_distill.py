@@ -172,9 +172,10 @@ def test_a_target_with_some_functions_is_fitted_to_them() -> None:
     target = from_namespace("probe", ns)
     assert target.levels == ("distill",) and set(target.distill) == {"divergence"}
     assert "distill topk" in target.not_checked  # a signature the contract cannot call
-    case = DistillCase(tp=2, T=3, v_local=4, function="topk", requires_grad=False)
-    assert fit(case, target.supports).function == "divergence"
+    case = fit(DistillCase(tp=2, T=3, v_local=4, function="topk", requires_grad=False), target.supports)
+    assert isinstance(case, DistillCase) and case.function == "divergence"
     fitted = fit(DistillCase(tp=2, T=3, v_local=4, kind="jsd", temperature=0.7), target.supports)
+    assert isinstance(fitted, DistillCase)
     assert (fitted.teacher, fitted.kind, fitted.temperature) == ("topk", "forward_kl", 1.0)
     assert "distill" in load_target(DEFAULT_TARGET).levels
 

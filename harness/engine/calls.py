@@ -292,7 +292,9 @@ class DistillShard:
             return fn(self.student, group, **common), None
         if case.function == "topk":
             out = fn(self.student, case.k, group, **common)
-            return (tuple(out) + (None, None))[:2] if isinstance(out, (tuple, list)) else (out, None)
+            if isinstance(out, (tuple, list)) and len(out) == 2:
+                return out[0], out[1]
+            return out, None  # not the contract's pair: `values` says what came back
         if case.function == "gather":
             return fn(self.student, self.topk_ids, group, renormalize=case.renormalize, **common), None
         return fn(self.student, group, teacher_logits=self.teacher, teacher_topk_log_probs=self.topk_log_probs,

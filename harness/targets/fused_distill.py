@@ -352,7 +352,8 @@ class FusedDistill:
         student, teacher, sup, logp, lse = ctx.saved_tensors
         want_s, want_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and teacher is not None
         gs = torch.zeros(student.shape, dtype=torch.float32, device=student.device) if want_s else None
-        gt = torch.zeros(teacher.shape, dtype=torch.float32, device=student.device) if want_t else None
+        gt = torch.zeros(teacher.shape, dtype=torch.float32, device=student.device) \
+            if want_t and teacher is not None else None
         for a, b in self.chunk_bounds(student.shape[0], ctx.chunk_size):
             g = grad[a:b].to(torch.float32).unsqueeze(-1)
             zs = self.scaled(student[a:b], ctx.temperature)

@@ -110,6 +110,7 @@ def distill_divergence(student_logits, tp_group, *, teacher_logits=None, teacher
         values, ids = gu.vocab_parallel_topk(teacher_logits.unsqueeze(0), k=k)
         teacher = dict(topk_logprobs=values, topk_indices=ids)
     else:
+        assert teacher_topk_log_probs is not None and teacher_topk_indices is not None  # a teacher pass's top-k
         teacher = dict(topk_logprobs=teacher_topk_log_probs.unsqueeze(0), topk_indices=teacher_topk_indices.unsqueeze(0))
     rows = student_logits.shape[0]
     student = student_logits.unsqueeze(0)

@@ -104,7 +104,7 @@ if _LF is not None:
 
 
 def _mu() -> types.ModuleType:
-    import nemo_rl.distributed.model_utils as mu
+    import nemo_rl.distributed.model_utils as mu  # pyright: ignore[reportMissingImports]
 
     return mu
 

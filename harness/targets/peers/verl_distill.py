@@ -68,7 +68,8 @@ def distill_divergence(student_logits, tp_group, *, teacher_logits=None, teacher
                        teacher_topk_indices=None, k=0, kind="forward_kl", beta=0.5, temperature=1.0,
                        renormalize=True, chunk_size=-1):
     """The per-token forward KL of `_VocabParallelKLDivergence` from a teacher pass's top-k."""
-    if teacher_topk_log_probs is None or kind != "forward_kl" or renormalize or temperature != 1.0:
+    if teacher_topk_log_probs is None or teacher_topk_indices is None or kind != "forward_kl" or renormalize \
+            or temperature != 1.0:
         raise NotImplementedError("verl's Megatron top-k loss is the forward KL from a teacher pass's top-k log-probs, "
                                   "without renormalization or temperature (HARNESS_CAPABILITIES)")
     parallel_state_group(tp_group, "verl's _VocabParallelKLDivergence")
