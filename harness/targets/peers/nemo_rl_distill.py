@@ -27,7 +27,8 @@ teacher's top-k and hands back the first T rows. The per-token KL is `Distillati
 before its reduction: `masked_mean` is NeMo-RL's reduction of it (a weighted sum the harness's loss
 makes itself), so `loss_functions.py` is loaded on its own (`_source`) with `nemo_rl.algorithms.utils`
 stubbed: `masked_mean` hands its values back as they are, `calculate_kl` (not called by this loss)
-raises. `nemo_rl.algorithms.utils` and `nemo_rl/algorithms/loss/__init__.py` import NeMo-RL's
+raises. Past forms: a commit without `vocab_parallel_log_softmax` or
+`get_distillation_topk_logprobs_from_logits` defines no function over it. `nemo_rl.algorithms.utils` and `nemo_rl/algorithms/loss/__init__.py` import NeMo-RL's
 generation stack (vLLM, zmq), which this loss never calls; `interfaces.py` is loaded on its own too,
 and both see `BatchedDataDict` as `dict` (they only name it in annotations; its module imports the
 multimodal data stack at some commits). Before `nemo_rl/algorithms/loss/` existed the adapter is
@@ -47,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness.targets.peers import defines
 from harness.targets.peers._source import PeerSource, missing
 
 HOW = ("git clone https://github.com/NVIDIA-NeMo/RL nemo-rl && export PYTHONPATH=$PWD/nemo-rl:$PYTHONPATH "
@@ -185,3 +187,12 @@ def distill_divergence(student_logits, tp_group, *, teacher_logits=None, teacher
     data = {"input_ids": torch.zeros(1, rows, dtype=torch.int64), "token_mask": ones, "sample_mask": ones[:, 0]}
     per_token, _ = loss_fn(s, t, h, data, global_valid_seqs=torch.ones(()), global_valid_toks=torch.ones(()))
     return per_token[0]
+
+
+# Past forms: a commit before one of the routines defines no function over it (read from the tree's
+# source, without importing NeMo-RL), so the harness checks the others and says which it left out.
+_MODEL_UTILS = "nemo_rl.distributed.model_utils"
+if defines(_MODEL_UTILS, "vocab_parallel_log_softmax") is False:
+    del distill_log_softmax, distill_topk  # the top-k is taken on its log-softmax
+if defines(_MODEL_UTILS, "get_distillation_topk_logprobs_from_logits") is False:
+    del distill_gather, distill_divergence
