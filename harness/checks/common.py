@@ -33,7 +33,7 @@ def _only_at_cp(ev: Evidence, run) -> str:
 @check("crash", levels=CALL_LEVELS, applies=lambda c, t: c.T > 0, needs=None, explain=_only_at_cp)
 def crash(ev: Evidence) -> list[str]:
     """Every rank returns without raising or dying (a rank that never returns is `hang`'s, unless a
-    peer raised or died first: it was left waiting for that peer, and is named here)."""
+    peer raised or died first: a rank left waiting for that peer is named here)."""
     crashed = _crashed(ev)
     problems = [f"{r.name} {r.error_kind}: {r.error}" for r in crashed]
     if crashed:

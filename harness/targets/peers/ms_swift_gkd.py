@@ -4,12 +4,12 @@
 `gkd_loss(student_logits, teacher_output, labels, beta, temperature, gather_fn=tp_gather_topk,
 log_softmax_fn=vocab_parallel_log_softmax, kl_div_fn=vocab_parallel_kl_div)`: the positions whose
 label is not -100, both sides' logits divided by the temperature, then the generalized JSD with
-`beta` (0: forward KL, 1: reverse KL, `gkd_loss.py:131-137`). With a full teacher (`full_logits`)
+`beta` (0: forward KL, 1: reverse KL, `gkd_loss.py:138-144`). With a full teacher (`full_logits`)
 the softmaxes and the KL run over the sharded vocabulary through `vocab_parallel_log_softmax` and
 `vocab_parallel_kl_div`; with a top-k teacher (`topk_logprobs`, `topk_indices`: a local teacher's
 `vocab_parallel_topk` of its logits, `gkd_trainer.py:262-264`, or a teacher server's top-k
 log-probs) the student's logits are gathered at the global ids (`tp_gather_topk`) and both sides are
-renormalized over the support (`gkd_loss.py:285-288`). The contract's functions map onto that:
+renormalized over the support (`gkd_loss.py:257-260`). The contract's functions map onto that:
 
 - `distill_divergence`: `full`, `topk` (the local teacher's `vocab_parallel_topk`) and `given`
   teachers; `kind` `forward_kl`, `reverse_kl` or `jsd` (as `beta` 0, 1 or the case's beta); a top-k
