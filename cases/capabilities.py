@@ -75,7 +75,8 @@ def fit_distill(case: DistillCase, supports: Callable[[str], bool]) -> DistillCa
             changes.update(kind=next((k for k in DIVERGENCES if supports(k)), case.kind))
         if case.self_teacher and changes.get("kind", case.kind) == "soft_ce":
             changes.update(self_teacher=False)
-    if not supports("renormalized" if case.renormalize else "unnormalized"):
+    have, other = ("renormalized", "unnormalized") if case.renormalize else ("unnormalized", "renormalized")
+    if not supports(have) and supports(other):
         changes.update(renormalize=not case.renormalize)
     if case.temperature != 1.0 and (not supports("temperature") or (
             changes.get("teacher", case.teacher) == "given" and not changes.get("renormalize", case.renormalize))):

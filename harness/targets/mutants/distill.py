@@ -77,8 +77,8 @@ class VocabGathered(FusedDistill):
 
 
 @mutant("distill-masked-shard-skips-sum", "a rank whose chunk has a row with no finite logit skips the sum's "
-        "all-reduce (gloo aborts the process on the mismatched sizes, or the ranks' collectives differ)",
-        ("collectives", "crash"), tp=TP_ONLY, levels=DISTILL)
+        "all-reduce: its next collective meets the others' sum, whose size differs, and gloo aborts the process",
+        "crash", tp=TP_ONLY, levels=DISTILL)
 class MaskedShardSkipsSum(FusedDistill):
     def normalisers(self, zs, group):
         if any(bool((~torch.isfinite(z)).all(-1).any()) for z in zs):
