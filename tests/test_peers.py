@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness.base.errors import TargetError
-from harness.cases.case import KernelCase, LinearCase, WrapperCase, parse_case
+from harness.cases.case import DistillCase, KernelCase, LinearCase, WrapperCase, parse_case
 from harness.checks.known import load as load_known
 from harness.driver.explorer import strategy_for
 from harness.driver.runner import Runner
@@ -45,6 +45,8 @@ CLEAN += [WrapperCase(tp=tp, v_local=6, total_lengths=(5, 8), response_lengths=(
           for tp, chunk in ((1, -1), (2, 4))]
 CLEAN += [WrapperCase(tp=2, v_local=3, total_lengths=(1, 3, 8), response_lengths=(0, 0, 0), chunk_size=2,
                       regime="peaked", seed=3)]
+# And at the distillation level: a divergence from a teacher pass's top-k, fitted to what each peer takes.
+CLEAN += [DistillCase(tp=tp, T=5, v_local=6, teacher="given", k=3, seed=51 * tp) for tp in (1, 2)]
 # One case per known finding, with the check that must report it: the finding is real and shows.
 WITNESSES: dict[str, list[tuple[str, str]]] = {
     "megatron": [("kernel:tp=2,T=5,v_local=4,with_entropy=0,seed=1594", "input-integrity"),
@@ -78,6 +80,15 @@ WITNESSES: dict[str, list[tuple[str, str]]] = {
     "skyrl": [("kernel:tp=2,T=6,v_local=5,chunk_size=4,seed=14,layout=transposed", "crash"),
               ("kernel:tp=2,T=6,v_local=5,regime=neginf,seed=1", "finite"),
               ("kernel:tp=2,T=8,v_local=64,dtype=bf16,seed=21", "shapes-dtypes")],
+    "nemo_rl_distill": [("distill:tp=2,T=4,v_local=4,teacher=given,k=3,renormalize=0,seed=1", "values"),
+                        ("distill:tp=2,T=3,v_local=4,teacher=given,k=2,regime=neginf,seed=2", "finite"),
+                        ("distill:tp=1,T=0,v_local=4,function=topk,k=2,requires_grad=0", "empty-input")],
+    "ms_swift_gkd": [("distill:tp=2,T=3,v_local=4,kind=reverse_kl,seed=1", "gradients"),
+                     ("distill:tp=2,T=3,v_local=3,function=topk,k=5,requires_grad=0", "crash"),
+                     ("distill:tp=2,T=3,v_local=4,kind=jsd,regime=neginf,seed=2", "finite"),
+                     ("distill:tp=1,T=3,v_local=4,dtype=bf16,seed=3", "shapes-dtypes")],
+    "skyrl_mtp": [("distill:tp=2,T=4,v_local=6,kind=soft_ce,teacher=topk,k=2,seed=1", "values"),
+                  ("distill:tp=1,T=3,v_local=8,kind=soft_ce,regime=neginf,seed=2", "finite")],
     "trl": [("kernel:tp=2,T=6,v_local=5,regime=neginf,seed=1", "finite"),
             ("kernel:tp=1,T=4,v_local=8,dtype=bf16,seed=2", "shapes-dtypes"),
             ("kernel:tp=1,T=0,v_local=4", "empty-input")],

@@ -74,8 +74,9 @@ def memory_by_config(executed: list[Evidence], budget: dict[str, float]) -> dict
         case = ev.case
         figures = [r.obs.memory for r in ev.ranks]
         # The linear level's budget is memory-linear-retained's (no [T, V_local] at all), not a
-        # multiple of T*V_local*4: its cases are not on this table's scale.
-        if case.T == 0 or case.level == "linear" or ev.failed_ranks or not all(figures):
+        # multiple of T*V_local*4, and the distillation level is held to no budget (its memory check
+        # is memory-no-vocab-gather): their cases are not on this table's scale.
+        if case.T == 0 or case.level in ("linear", "distill") or ev.failed_ranks or not all(figures):
             continue
         row = configs.setdefault(memory_config(case), {"cases": 0, "worst": {}})
         row["cases"] += 1

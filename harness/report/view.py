@@ -11,7 +11,7 @@ from typing import Any
 
 from harness.checks.findings import reading_order
 
-LEVELS = ("kernel", "wrapper", "linear")
+LEVELS = ("kernel", "wrapper", "linear", "distill")
 NEAR = 0.5  # error/tolerance above this is close enough to the line to be worth a look
 SHOWN_LINES = 4  # lines of a finding's message shown before "full message"
 
