@@ -41,6 +41,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
+from cases.capabilities import OPT_IN
 from harness.base.errors import TargetError
 
 KERNEL = "calculate_log_probs_and_entropy"
@@ -68,7 +69,7 @@ class Target:
     def supports(self, feature: str) -> bool:
         """Whether it has `feature`; one declared per device counts only where every device has it
         (`on` resolves it for the device of a run)."""
-        value = self.capabilities.get(feature, True)
+        value = self.capabilities.get(feature, feature not in OPT_IN)
         return all(value.values()) if isinstance(value, dict) else value
 
     def on(self, device: str) -> "Target":

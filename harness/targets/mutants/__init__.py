@@ -68,4 +68,5 @@ def mutant_namespace(name: str) -> SimpleNamespace:
     routine = entry.routine()
     functions = {ENTRY_POINTS[lvl]: getattr(routine, ENTRY_POINTS[lvl]) for lvl in entry.levels}
     # A mutant is held to the built-in routine's declared budget: exceeding it is a defect too.
-    return SimpleNamespace(**functions, HARNESS_MEMORY_BUDGET=fused.HARNESS_MEMORY_BUDGET)
+    return SimpleNamespace(**functions, HARNESS_MEMORY_BUDGET=fused.HARNESS_MEMORY_BUDGET,
+                           HARNESS_CAPABILITIES=fused.HARNESS_CAPABILITIES)
