@@ -33,6 +33,28 @@ def _unit_name(c: Any) -> str:
     return "T*V_local*4" if getattr(c, "cp", 1) == 1 else f"T_local*V_local*4 (T_local = {rows(c)} rows of CP {c.cp})"
 
 
+HALF_PRECISION = ("bf16", "fp16")
+
+
+def _logits_bytes(c: Any) -> int:
+    """The logits' own size on a rank, in their dtype: T*V_local*2 for bf16 and fp16 (at CP > 1,
+    T_local rows; at the linear level, the [T, V_local] logits in the inputs' dtype)."""
+    return rows(c) * c.v_local * DTYPES[c.dtype].itemsize
+
+
+def _logits_unit_name(c: Any) -> str:
+    size = DTYPES[c.dtype].itemsize
+    rows_name = "T" if getattr(c, "cp", 1) == 1 else "T_local"
+    return f"{rows_name}*V_local*{size}, the {c.dtype} logits' own size"
+
+
+def _in_logits_unit(c: Any, nbytes: int) -> str:
+    """`nbytes` read in the logits' own unit, where that differs from the float32 one."""
+    if c.dtype not in HALF_PRECISION:
+        return ""
+    return f" ({nbytes / _logits_bytes(c):.2f} x {_logits_unit_name(c)})"
+
+
 def _mem(ev: Evidence, rank: int) -> dict[str, Any]:
     return ev.ranks[rank].obs.memory
 
@@ -232,8 +254,8 @@ def budget(ev: Evidence) -> list[str]:
             got = m.get(meter)
             if got is not None and budget_use(c, got, meter) > mult:
                 allowed = int(mult * unit) + allowance(c, meter) + memory.budget_slack(c.T)
-                problems.append(f"{ev.ranks[r].name}: {meter} {_fmt(got)} = {got / unit:.2f} x {_unit_name(c)}, "
-                                f"budget {mult} x + allowances = {_fmt(allowed)}. "
+                problems.append(f"{ev.ranks[r].name}: {meter} {_fmt(got)} = {got / unit:.2f} x {_unit_name(c)}"
+                                f"{_in_logits_unit(c, got)}, budget {mult} x + allowances = {_fmt(allowed)}. "
                                 f"Largest: {_list(m.get(f'{meter}_tensors', []))}")
             cuda = m.get(f"cuda_{meter}")
             if cuda is not None and budget_use(c, cuda - memory.CUDA_BLOCK * (m.get(f"{meter}_count") or 0), meter) > mult:
@@ -272,7 +294,6 @@ def linear_retained(ev: Evidence) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- the logits' own dtype
-HALF_PRECISION = ("bf16", "fp16")
 _WIDE = ("float32", "float64")  # the dtypes of float32 work (float64 too), as the meter names them
 _ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}  # the float dtypes, by the meter's names
 # The float32 work a chunked backward may hold at once beyond what its forward retained, in chunks of
@@ -282,29 +303,10 @@ _ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}  # the flo
 WORK_CHUNKS = 16
 
 
-def logits_bytes(c: Any) -> int:
-    """The logits' own size on a rank, in their dtype: T*V_local*2 for bf16 and fp16 (at CP > 1,
-    T_local rows; at the linear level, the [T, V_local] logits in the inputs' dtype)."""
-    return rows(c) * c.v_local * DTYPES[c.dtype].itemsize
-
-
-def logits_unit_name(c: Any) -> str:
-    size = DTYPES[c.dtype].itemsize
-    rows_name = "T" if getattr(c, "cp", 1) == 1 else "T_local"
-    return f"{rows_name}*V_local*{size}, the {c.dtype} logits' own size"
-
-
-def _in_logits_unit(c: Any, nbytes: int) -> str:
-    """`nbytes` read in the logits' own unit, where that differs from the float32 one."""
-    if getattr(c, "dtype", "fp32") not in HALF_PRECISION:
-        return ""
-    return f" ({nbytes / logits_bytes(c):.2f} x {logits_unit_name(c)})"
-
-
 def _chunked_half_precision(c: Any, t: Any) -> bool:
     """Half-precision logits, a chunk size that splits the rows, and a [T, V_local] tensor that
     stands out of the O(T) slack (so it cannot be a handful of [T] vectors)."""
-    return (c.T > 0 and getattr(c, "dtype", "fp32") in HALF_PRECISION and 0 < c.chunk_size < rows(c)
+    return (c.T > 0 and c.dtype in HALF_PRECISION and 0 < c.chunk_size < rows(c)
             and memory.unit(rows(c), c.v_local) > memory.slack(c.T))
 
 

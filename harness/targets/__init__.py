@@ -19,8 +19,9 @@ namespace by name. A module provides the kernel, the wrapper, the fused-linear r
   meter stays off and the memory checks say "not applied"); or that is not tensor-parallel, so its adapter gathers the shards at TP > 1
   (`"tensor_parallel": False`: the memory checks say "not applied" there: the gather's cost is the
   adapter's); or whose wrapper's CP backward cannot run (`"cp_gradient": False`: its CP cases run
-  without autograd). A value may be given per device, `{"cpu": False}`: a run on that device
-  fits its cases to False, any other to True;
+  without autograd). One is False unless declared: `"wrapper_half_precision"`, a wrapper that takes
+  bf16 and fp16 logits besides the contract's float32 ones. A value may be given per device,
+  `{"cpu": False}`: a run on that device fits its cases to False, any other to True;
 - `HARNESS_MEMORY_BUDGET`: dict of retained/peak budgets as multiples of `T * V_local * 4` bytes.
 
 A routine older than the contract's newest parameters (no `with_entropy_grad`, no top-p arguments)

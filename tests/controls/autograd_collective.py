@@ -105,3 +105,5 @@ def _through_autograd(logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, O
 
 calculate_log_probs_and_entropy = kernel_entry(_through_autograd)
 get_log_probs_and_entropy = make_wrapper(calculate_log_probs_and_entropy)
+# The shared wrapper hands bf16 and fp16 logits to the kernel as they are (docs/memory.md).
+HARNESS_CAPABILITIES = {"wrapper_half_precision": True}
