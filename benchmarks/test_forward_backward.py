@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cases.benchmarks import PERF_CASES
+from harness.cases.benchmarks import PERF_CASES
 from harness.engine.calls import prepared_call
 from harness.engine.observations import RankResult
 from harness.perf import callgrind as instructions

@@ -3,7 +3,7 @@ dtype x entropy settings, sized to a few milliseconds per call on one CPU thread
 cut less often by other jobs' time slices)."""
 from __future__ import annotations
 
-from cases.case import KernelCase
+from harness.cases.case import KernelCase
 
 PERF_CASES: tuple[KernelCase, ...] = (
     KernelCase(tp=1, T=128, v_local=2048, dtype="fp32", seed=11),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from cases.case import Case, KernelCase, LinearCase, WrapperCase
+from harness.cases.case import Case, KernelCase, LinearCase, WrapperCase
 
 # entropy: computes one; keep_mask: takes log_prob_keep_mask; metric_only_entropy: honours
 # with_entropy_grad=False (an entropy without autograd history). A routine without the last one

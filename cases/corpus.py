@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cases.case import Case, KernelCase, LinearCase, WrapperCase
+from harness.cases.case import Case, KernelCase, LinearCase, WrapperCase
 
 
 @dataclass(frozen=True)

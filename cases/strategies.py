@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from cases.case import (
+from harness.cases.case import (
     CONTEXTS,
     CP_LAYOUTS,
     DRIFT,

@@ -16,7 +16,7 @@ import threading
 from harness.base.errors import HarnessError
 from harness.base.options import RunConfig
 from harness.commands import check, checks, fields, history, mutate, peers, repro, trend
-from harness.driver import process
+from harness.driver import lifecycle
 
 # The subcommands, in the order `--help` lists them: each module has `register(subparsers)`.
 COMMANDS = (check, repro, mutate, trend, checks, fields, peers, history)
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None, pools: dict | None = None) -> int:
     ns = parser.parse_args(argv)  # exits 2 on usage errors, with argparse's message
     cfg = RunConfig.from_options(vars(ns).get, pools)
     if threading.current_thread() is threading.main_thread():
-        process.install_signal_handlers()  # Ctrl-C and SIGTERM stop the run and its pools
+        lifecycle.install_signal_handlers()  # Ctrl-C and SIGTERM stop the run and its pools
     try:
         return ns.func(ns, cfg)
     except HarnessError as e:
@@ -47,13 +47,13 @@ def main(argv: list[str] | None = None, pools: dict | None = None) -> int:
     except Exception:
         # An error raised once interrupted is the interrupt's: Hypothesis, interrupted while it
         # starts its engine, fails its own assertion instead of passing the KeyboardInterrupt on.
-        if process.interrupted_by():
+        if lifecycle.interrupted_by():
             return _interrupted()
         raise
 
 
 def _interrupted() -> int:
-    signum = process.interrupted_by() or signal.SIGINT
+    signum = lifecycle.interrupted_by() or signal.SIGINT
     print(f"harness: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
     return 128 + int(signum)
 

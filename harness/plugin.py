@@ -124,7 +124,7 @@ def pytest_report_collectionfinish(config: pytest.Config, items: list[pytest.Ite
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     runner = session.config.stash.get(KNOWN_RUNNER, None)
-    if runner is not None and value(session.config, "strict_known") and runner.known.stale and exitstatus == 0:
+    if runner is not None and value(session.config, "strict_known") and runner.verdicts.known.stale and exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED  # strict: a stale known entry fails the run
     session.config.stash[EXITSTATUS] = int(session.exitstatus)
 
@@ -134,7 +134,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if runner is None:
         return
     terminalreporter.section("harness known findings")
-    for e in runner.known.entries:
+    for e in runner.verdicts.known.entries:
         state = f"{e.matched} finding(s)" if e.matched else "STALE: matched nothing in this run"
         terminalreporter.write_line(f"{e.describe()}: {state}" + (f" ({e.link})" if e.link else ""))
 
@@ -172,7 +172,7 @@ def harness_runner(request: pytest.FixtureRequest, harness_pools):
 
     try:
         runner = Runner.for_run(run_config(request.config, harness_pools))
-        if runner.known.path:
+        if runner.verdicts.known.path:
             request.config.stash[KNOWN_RUNNER] = runner
     except HarnessError as e:
         pytest.exit(f"harness: error: {e}", returncode=2)

@@ -10,6 +10,8 @@ Under both layouts the wrapper returns, per sample, the response values of its z
 the response rows chunk r holds, then those chunk 2c-1-r holds (all-gather CP re-slices to that).
 Everything here is a function of the lengths, the CP size and the rank, so the oracle (main process)
 and the executor (each rank) derive the same rows.
+
+Named for what it computes, as `targets/mutants/cp.py` breaks it: one module name across the layers.
 """
 from __future__ import annotations
 

@@ -2,6 +2,9 @@
 
 Everything is computed on a float64 copy of the inputs, so the oracle is exact to ~1e-15
 relative and can judge float32 kernels. Inputs are never written to.
+
+Named for its level, as `checks/kernel.py` checks it and `targets/mutants/kernel.py` breaks it: a
+level keeps one module name across the layers.
 """
 
 from __future__ import annotations

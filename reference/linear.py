@@ -3,6 +3,9 @@ kernel's math over the full vocab, and the gradients w.r.t. the hidden states an
 
 Pure float64 on copies of the inputs; no distribution. `weight` is the full `[V, H]` head (every
 shard stacked in rank order), so the oracle needs no notion of TP.
+
+Named for its level, as `targets/mutants/linear.py` breaks it: a level keeps one module name across
+the layers.
 """
 from __future__ import annotations
 

@@ -2,6 +2,9 @@
 
 Works on the full, unsharded `[T, V]` logits of a packed batch (no batch dim). The chunk size in
 `args` is a memory knob only, so it does not appear here.
+
+Named for its level, as `checks/wrapper.py` checks it and `targets/mutants/wrapper.py` breaks it:
+a level keeps one module name across the layers.
 """
 
 from __future__ import annotations

@@ -10,16 +10,17 @@ from __future__ import annotations
 import sys
 import time
 
-from cases.corpus import CORPUS
+from harness.cases.corpus import CORPUS
 from harness.checks.known import load
 from harness.driver.explorer import explore
 from harness.driver.runner import Runner
+from harness.report.console import finding_blocks
 
 
 def main(target: str, n: int, cp_sizes: list[int], known: str | None = None) -> int:
     runner = Runner(target)
     if known:
-        runner.known = load(known)
+        runner.verdicts.known = load(known)
     start, findings = time.perf_counter(), []
     try:
         for entry in CORPUS:
@@ -29,10 +30,10 @@ def main(target: str, n: int, cp_sizes: list[int], known: str | None = None) -> 
             findings += explore(runner, "wrapper", [1, 2], n, 0, shrink=True, cp=cp)
     finally:
         runner.close()
-    for f in findings:
-        print(f"FINDING [{f.check}] {f.case}: {f.message[:500]}")
+    for block in finding_blocks(findings):
+        print(block)
     print(f"{runner.cases_run} case runs in {time.perf_counter() - start:.1f} s, {len(findings)} finding(s), "
-          f"{len(runner.known_findings)} known")
+          f"{len(runner.verdicts.known_findings)} known")
     return 1 if findings else 0
 
 

@@ -21,8 +21,8 @@ import argparse
 
 import torch
 
-import reference
-from cases.case import DTYPES, LinearCase
+from harness import reference
+from harness.cases.case import DTYPES, LinearCase
 from harness.checks.tolerance import linear_bounds
 
 

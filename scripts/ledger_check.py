@@ -18,7 +18,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from cases.strategies import kernel_cases, linear_cases, wrapper_cases
+from harness.cases.strategies import kernel_cases, linear_cases, wrapper_cases
 from harness.driver.runner import Runner
 
 STRATEGIES = {"kernel": kernel_cases, "linear": linear_cases, "wrapper": wrapper_cases}

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PROBE = "from harness.meters import ledger_build, memory; print(memory.ledger_name(), ledger_build.extension_name())"
+PROBE = "from harness.meters import ledger_build, memory_meter; print(memory_meter.ledger_name(), ledger_build.extension_name())"
 
 
 def make_env(path: Path) -> Path:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cases.case import LinearCase
+from harness.cases.case import LinearCase
 from harness.checks import oracle
 from harness.checks.tolerance import compare
 from harness.targets.fused import LINEAR_ROUTINE

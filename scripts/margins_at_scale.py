@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cases.case import REGIMES, KernelCase  # noqa: E402
+from harness.cases.case import REGIMES, KernelCase  # noqa: E402
 from harness.driver.pool import WorkerPool  # noqa: E402
 from harness.driver.runner import Runner  # noqa: E402
 
@@ -48,7 +48,7 @@ def main() -> None:
                         found |= {f.check for f in findings}
             worst = []
             for name in CHECKS:
-                margins = [m for (c, _), st in runner.stats.items() if c == name for m in st.margins]
+                margins = [m for (c, _), st in runner.verdicts.stats.items() if c == name for m in st.margins]
                 worst.append(f"{max(margins):.3g}" if margins else "-")
             print(f"| `{spec}` | {' | '.join(worst)} | {', '.join(sorted(found)) or 'none'} |", flush=True)
     finally:

@@ -13,9 +13,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cases.case import KernelCase  # noqa: E402
+from harness.cases.case import KernelCase  # noqa: E402
 from harness.engine.executor import run_on_rank  # noqa: E402
-from harness.meters.memory import METERS, unit  # noqa: E402
+from harness.meters.memory_meter import METERS, unit  # noqa: E402
 from harness.targets import load_target  # noqa: E402
 
 

@@ -30,8 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cases.benchmarks import PERF_CASES  # noqa: E402
 from harness.base.options import DEFAULT_TARGET  # noqa: E402
+from harness.cases.benchmarks import PERF_CASES  # noqa: E402
 from harness.driver.pool import WorkerPool  # noqa: E402
 from harness.perf import timing as perf  # noqa: E402
 from harness.perf.gate import DEFAULT_THRESHOLD, label  # noqa: E402

@@ -40,7 +40,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cases.strategies import kernel_cases, linear_cases, wrapper_cases
+from harness.cases.strategies import kernel_cases, linear_cases, wrapper_cases
 from harness.checks import oracle
 from harness.driver import runner as runner_module
 from harness.driver.pool import WorkerPool

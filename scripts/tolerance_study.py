@@ -271,12 +271,12 @@ def rows_for(V, quick):
 
 
 def oracle(x64, tokens, keep):
-    import reference
+    from harness import reference
     return (reference.log_probs(x64, tokens, keep), reference.entropy(x64))
 
 
 def oracle_grad(x64, tokens, keep, w1, w2):
-    import reference
+    from harness import reference
     return reference.logits_grad(x64, tokens, keep, w1.to(F64), w2.to(F64))
 
 

@@ -48,7 +48,7 @@ def all_reduce_sum(ctx) -> float:
 def memory_figures(ctx, case, target_spec: str) -> dict:
     """This rank's scalar memory figures for one case (as a baseline records them)."""
     from harness.engine.executor import run_on_rank
-    from harness.meters.memory import figures_of
+    from harness.meters.memory_meter import figures_of
     from harness.targets import load_target
 
     result = run_on_rank(case, load_target(target_spec), ctx.rank, ctx.device)
@@ -145,16 +145,16 @@ def both_ledgers(ctx, case, target_spec: str) -> dict:
     """This rank's memory figures of one case, measured by each ledger in turn (the wrapper's
     kernel-pass figures included): what scripts/ledger_check.py compares."""
     from harness.engine.executor import case_job
-    from harness.meters import memory
+    from harness.meters import memory_meter
 
     out = {}
-    for name, ledger in (("mode", memory.ModeLedger), ("compiled", memory.compiled_ledger())):
-        original = memory.ledger_class
-        memory.ledger_class = lambda ledger=ledger: ledger
+    for name, ledger in (("mode", memory_meter.ModeLedger), ("compiled", memory_meter.compiled_ledger())):
+        original = memory_meter.ledger_class
+        memory_meter.ledger_class = lambda ledger=ledger: ledger
         try:
             result = case_job(ctx, case, target_spec)
         finally:
-            memory.ledger_class = original
+            memory_meter.ledger_class = original
         passes = result.obs.kernel_pass.memory if result.obs.kernel_pass is not None else {}
         out[name] = {"error": result.error, "memory": result.obs.memory, "kernel_pass": passes}
     return out
@@ -163,12 +163,12 @@ def both_ledgers(ctx, case, target_spec: str) -> dict:
 def collective_behind_the_ledgers_back(ctx) -> tuple[dict, str, str]:
     """A counted storage handed to a ProcessGroup directly, not through torch.distributed's
     functions: the figures of that call, and the ledger this process uses after it (then reset)."""
-    from harness.meters import memory
+    from harness.meters import memory_meter
 
-    meter = memory.Meter((), ctx.device, ledger=memory.compiled_ledger())
+    meter = memory_meter.Meter((), ctx.device, ledger=memory_meter.compiled_ledger())
     with meter.forward():
         t = torch.ones(64)
         dist.distributed_c10d._get_default_group().allreduce([t]).wait()
-    after = memory.ledger_class().__name__
-    memory._fallen_back = False
-    return meter.figures, after, memory.ledger_class().__name__
+    after = memory_meter.ledger_class().__name__
+    memory_meter._fallen_back = False
+    return meter.figures, after, memory_meter.ledger_class().__name__

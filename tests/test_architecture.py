@@ -4,6 +4,7 @@ level or inside a function; only `if TYPE_CHECKING:` blocks are exempt (they nev
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -13,6 +14,8 @@ PACKAGE = ROOT / "harness"
 # rank side (what runs in the workers) sits below the checks, the driver (pools, runner, explorer)
 # above them; the root package holds only the entry points (`ENTRY_POINTS`), above every layer.
 LAYERS: tuple[str, ...] = (
+    "harness.reference",  # the float64 oracle: pure math, no distribution, no I/O (the repo's reference/)
+    "harness.cases",     # what to run: case dataclasses, strategies, profiles, the corpus (the repo's cases/)
     "harness.base",      # the harness's own errors, the options and the run's configuration
     "harness.meters",    # instruments: the collective trace, the memory meter
     "harness.targets",   # loading a target; the built-in routines, the mutation catalog, the peers
@@ -34,7 +37,13 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py"}  # the root is empty
+def _sources(top: Path) -> list[Path]:
+    """The .py files under `top`, through the links that put the repository's cases/ and reference/
+    into the package (installed, they are `harness.cases` and `harness.reference`)."""
+    return [Path(d) / f for d, _, files in os.walk(top, followlinks=True) for f in files if f.endswith(".py")]
+
+
+MODULES = {module_name(p): p for p in _sources(PACKAGE) if p != PACKAGE / "__init__.py"}  # the root is empty
 
 
 def layer(module: str) -> int:
@@ -136,3 +145,36 @@ def test_the_cycle_test_sees_cycles(monkeypatch):
         assert "harness.base.errors" in str(e)
     else:
         raise AssertionError("a cycle through harness.base.errors went unseen")
+
+
+# Names pytest or Python fix: every package has an __init__, every test folder may have a conftest.
+FIXED_NAMES = {"__init__.py", "__main__.py", "conftest.py"}
+
+
+def namesakes() -> dict[str, list[Path]]:
+    """The project's modules (the package, tests, scripts, benchmarks) by file name, for names more
+    than one of them has."""
+    by_name: dict[str, list[Path]] = {}
+    for top in ("harness", "tests", "scripts", "benchmarks"):
+        for path in _sources(ROOT / top):
+            if path.name not in FIXED_NAMES and "__pycache__" not in path.parts:
+                by_name.setdefault(path.name, []).append(path)
+    return {name: paths for name, paths in by_name.items() if len(paths) > 1}
+
+
+def _docstring(path: Path) -> str:
+    return ast.get_docstring(ast.parse(path.read_text())) or ""
+
+
+def _short(path: Path) -> str:
+    """How a docstring names a module: its last folder and file (`checks/kernel.py`)."""
+    return "/".join(path.relative_to(ROOT).parts[-2:])
+
+
+def test_a_module_name_used_twice_says_why_in_its_docstring():
+    """A name two modules share (`kernel.py` in reference/, checks/ and the mutants) is deliberate only
+    where each of them names its namesakes in its docstring, saying why; otherwise it is a collision."""
+    silent = [f"{path.relative_to(ROOT)} (namesakes: {', '.join(_short(p) for p in paths if p != path)})"
+              for paths in namesakes().values() for path in paths
+              if not any(_short(p) in _docstring(path) for p in paths if p != path)]
+    assert not silent, "modules sharing a name whose docstring names none of its namesakes:\n" + "\n".join(silent)

@@ -13,8 +13,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from cases.case import CONTEXTS, LAYOUTS, TOKEN_LAYOUTS, KernelCase, WrapperCase, parse_case
-from cases.strategies import kernel_cases, wrapper_cases
+from harness.cases.case import CONTEXTS, LAYOUTS, TOKEN_LAYOUTS, KernelCase, WrapperCase, parse_case
+from harness.cases.strategies import kernel_cases, wrapper_cases
 from harness.checks import Evidence, all_checks, bitwise_diff
 from harness.engine.calls import laid_out, tokens_laid_out, view_of
 from harness.engine.executor import run_on_rank

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from cases.benchmarks import PERF_CASES
-from cases.capabilities import fit, needs
-from cases.corpus import CORPUS
+from harness.cases.benchmarks import PERF_CASES
+from harness.cases.capabilities import fit, needs
+from harness.cases.corpus import CORPUS
 from harness.checks import all_checks
 from harness.driver.explorer import explore, run_corpus
 from harness.driver.runner import Runner
@@ -35,7 +35,7 @@ def test_corpus_and_twins_honour_the_capabilities(runner):
     findings = run_corpus(runner, [1, 2])
     assert not findings, [f"{f.check}: {f.message[:200]}" for f in findings]
     twin_checks = [c for c in all_checks().values() if c.twin is not None]
-    assert any(runner.stats[(c.name, lvl)].applied for c in twin_checks for lvl in c.levels)
+    assert any(runner.verdicts.stats[(c.name, lvl)].applied for c in twin_checks for lvl in c.levels)
 
 
 @pytest.mark.distributed

@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cases.case import KernelCase, WrapperCase, parse_case
-from cases.corpus import CORPUS
-from cases.strategies import kernel_cases, wrapper_cases
+from harness.cases.case import KernelCase, WrapperCase, parse_case
+from harness.cases.corpus import CORPUS
+from harness.cases.strategies import kernel_cases, wrapper_cases
 from harness.checks import all_checks
 
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from cases.case import parse_case
+from harness.cases.case import parse_case
 from harness.cli import main
 
 pytestmark = pytest.mark.distributed
@@ -116,19 +116,19 @@ def test_an_error_raised_after_an_interrupt_still_ends_as_interrupted(monkeypatc
     """Hypothesis, interrupted while it starts its engine, raises AssertionError, not the interrupt."""
     from harness import cli
     from harness.commands import check
-    from harness.driver import process
+    from harness.driver import lifecycle
 
     def broken(interrupted: bool):
         def command(ns, cfg):
             if interrupted:
-                monkeypatch.setattr(process, "_interrupted", signal.SIGINT)  # as Ctrl-C's handler records it
+                monkeypatch.setattr(lifecycle, "_interrupted", signal.SIGINT)  # as Ctrl-C's handler records it
             raise AssertionError("state._runner is not None")
         return command
 
     monkeypatch.setattr(check, "cmd_check", broken(interrupted=True))
     assert cli.main(["check", "--profile", "smoke"]) == 130
     assert "interrupted by SIGINT" in capsys.readouterr().err
-    monkeypatch.setattr(process, "_interrupted", 0)
+    monkeypatch.setattr(lifecycle, "_interrupted", 0)
     monkeypatch.setattr(check, "cmd_check", broken(interrupted=False))
     with pytest.raises(AssertionError):  # without an interrupt, an error is an error
         cli.main(["check", "--profile", "smoke"])
@@ -137,3 +137,32 @@ def test_an_error_raised_after_an_interrupt_still_ends_as_interrupted(monkeypatc
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
+
+
+PROBE_CHECK = '''\
+"""A check in a module of its own, registered by nothing but its decorator."""
+from harness.checks import check
+
+
+@check("probe-new-module", levels=("kernel",), needs=None)
+def probe(ev):
+    """Fails on every case: shows that the check ran."""
+    return [f"the probe ran on {ev.case.T} rows"]
+'''
+
+
+def test_a_check_in_a_new_module_is_listed_and_runs_with_no_other_edit(tmp_path, monkeypatch, harness_pools, capsys):
+    """A new file of `@check`s among the checks' modules is all it takes: `harness checks` lists it and
+    a run evaluates it (the module is found, not named in a list)."""
+    import harness.checks as checks_package
+
+    (tmp_path / "probe_new_module.py").write_text(PROBE_CHECK)
+    monkeypatch.setattr(checks_package, "__path__", [*checks_package.__path__, str(tmp_path)])
+    try:
+        assert main(["checks"]) == 0
+        assert "probe-new-module  [kernel;" in capsys.readouterr().out
+        assert main(["repro", "--target", "harness.targets.fused", "kernel:tp=1,T=2,v_local=3"], pools=harness_pools) == 1
+        assert "FINDING [probe-new-module] (kernel)" in capsys.readouterr().out
+    finally:
+        checks_package.REGISTRY.pop("probe-new-module", None)
+        sys.modules.pop("harness.checks.probe_new_module", None)

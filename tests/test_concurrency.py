@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from cases.case import parse_case
+from harness.cases.case import parse_case
 from harness.driver import runner as runner_module
 from harness.driver.pool import WorkerPool
 from harness.driver.runner import Runner

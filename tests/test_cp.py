@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cases.case import WrapperCase, parse_case
-from cases.corpus import CORPUS
+from harness.cases.case import WrapperCase, parse_case
+from harness.cases.corpus import CORPUS
 from harness.driver.runner import Runner
 
 pytestmark = pytest.mark.distributed
@@ -77,8 +77,8 @@ def test_memory_checks_hold_each_cp_rank_to_its_own_rows(harness_pools):
     case = next(e.case for e in CORPUS if e.name == "cp-memory-per-rank")
     clean = Runner("harness.targets.fused", pools=harness_pools)
     assert not clean.check(case)[1]
-    assert clean.stats[("memory-budget", "wrapper")].applied == 1
-    assert clean.stats[("memory-backward-frees", "wrapper")].applied == 1
+    assert clean.verdicts.stats[("memory-budget", "wrapper")].applied == 1
+    assert clean.verdicts.stats[("memory-backward-frees", "wrapper")].applied == 1
     _, findings = Runner("mutant:cp-gathered-logits", pools=harness_pools).check(case)
     assert [f.check for f in findings] == ["memory-budget"], [f.message[:300] for f in findings]
     assert findings[0].message.startswith("rank 0 (cp 0, tp 0): retained "), findings[0].message[:300]
@@ -91,8 +91,8 @@ def test_chunk_size_is_checked_on_each_cp_rank_and_the_memory_comparison_says_wh
     case = next(e.case for e in CORPUS if e.name == "cp-wrapper-chunk-size")
     clean = Runner("harness.targets.fused", pools=harness_pools)
     assert not clean.check(case)[1]
-    assert clean.stats[("chunk-size-honoured", "wrapper")].applied == 1
-    notes = clean.stats[("memory-chunk-passthrough", "wrapper")].not_applied
+    assert clean.verdicts.stats[("chunk-size-honoured", "wrapper")].applied == 1
+    notes = clean.verdicts.stats[("memory-chunk-passthrough", "wrapper")].not_applied
     assert any("CP > 1" in n for n in notes), notes
     _, findings = Runner("mutant:chunk-size-ignored", pools=harness_pools).check(case)
     assert [f.check for f in findings] == ["chunk-size-honoured"], [f.message[:300] for f in findings]

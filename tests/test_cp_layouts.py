@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from reference.cp import PAD, local_rows, response_positions
+from harness.reference.cp import PAD, local_rows, response_positions
 
 
 def test_zigzag_rows_of_one_sample():

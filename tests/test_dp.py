@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cases.case import KernelCase, WrapperCase, parse_case
-from cases.profiles import PROFILES
+from harness.cases.case import KernelCase, WrapperCase, parse_case
+from harness.cases.profiles import PROFILES
 from harness.commands.mutate import run_catalog
 from harness.driver.explorer import plan
 from harness.driver.runner import Runner

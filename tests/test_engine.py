@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from cases.case import KernelCase, WrapperCase, parse_case
+from harness.cases.case import KernelCase, WrapperCase, parse_case
+from harness.driver import lifecycle
 from harness.driver import pool as pool_module
-from harness.driver import process
 from harness.driver.runner import Runner
 from harness.engine.observations import RankResult
 
@@ -78,8 +78,8 @@ def test_idle_gloo_pool_is_stopped_between_jobs_and_costs_nothing(tp2):
 def test_driver_leaves_the_cores_to_its_cpu_ranks(monkeypatch):
     """While a gloo pool runs, the driver computes on one intra-op thread (its idle OpenMP threads
     would spin on the ranks' cores); once no CPU pool is left, its own setting comes back."""
-    monkeypatch.setattr(process, "_LIVE", set())  # the session's pools stay out of this
-    monkeypatch.setattr(process, "_DRIVER_THREADS", None)
+    monkeypatch.setattr(lifecycle, "_LIVE", set())  # the session's pools stay out of this
+    monkeypatch.setattr(lifecycle, "_DRIVER_THREADS", None)
     own = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

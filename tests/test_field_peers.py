@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from cases.case import KernelCase, LinearCase, parse_case
+from harness.cases.case import KernelCase, LinearCase, parse_case
 from harness.driver.runner import Runner
 from harness.targets import load_target
 from harness.targets.peers import peers

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from cases.case import KernelCase
 from harness import cli
+from harness.cases.case import KernelCase
 from harness.checks import Evidence
 from harness.checks.findings import Finding
 from harness.driver.cpu_share import SAMPLE_EVERY_S, CpuShare

@@ -270,7 +270,7 @@ def test_slime_first_fused_commit_is_checked_with_its_capability_inferred(tmp_pa
 
 def test_a_mirror_without_some_blobs_is_exported_without_them(tmp_path):
     """Snapshots leave large files out: the commit's tree is written file by file, those left out."""
-    from harness.commands.history import Git
+    from harness.driver.git_trees import Git
 
     repo = tmp_path / "mirror"
     repo.mkdir()

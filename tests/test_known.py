@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from cases.case import parse_case
 from harness.base.errors import UsageError
+from harness.cases.case import parse_case
 from harness.checks.findings import Finding
 from harness.checks.known import load
 from harness.cli import main

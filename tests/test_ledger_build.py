@@ -18,7 +18,7 @@ from harness.base.errors import UsageError
 from harness.meters import ledger_build
 
 REPO = Path(__file__).resolve().parents[1]
-PROBE = "from harness.meters import memory; print(memory.ledger_name())"
+PROBE = "from harness.meters import memory_meter; print(memory_meter.ledger_name())"
 
 
 def test_the_build_is_named_per_torch_python_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-import reference
-from cases.case import LinearCase, parse_case
-from cases.strategies import linear_cases
+from harness import reference
 from harness.base.options import DEFAULT_TARGET
+from harness.cases.case import LinearCase, parse_case
+from harness.cases.strategies import linear_cases
 from harness.checks import all_checks
 from harness.checks.memory import linear_retained_allowance
 from harness.commands.mutate import CLEAN, kill_matrix, run_catalog
 from harness.driver.explorer import explore
 from harness.driver.runner import Runner
-from harness.meters.work import Work
+from harness.meters.matmul_flops import Work
 from harness.targets import load_target
 from harness.targets.mutants import catalog
 
@@ -113,8 +113,8 @@ def test_builtin_is_clean_at_tp_1_2_4(harness_pools) -> None:
     assert not findings, [f"{f.check} {f.case}: {f.message[:300]}" for f in findings]
     for name in LINEAR_CHECKS:
         if name not in ("hang",):
-            assert runner.stats[(name, "linear")].applied, f"{name} never applied to a linear case"
-    assert max(runner.stats[("values", "linear")].margins) < 0.5
+            assert runner.verdicts.stats[(name, "linear")].applied, f"{name} never applied to a linear case"
+    assert max(runner.verdicts.stats[("values", "linear")].margins) < 0.5
 
 
 @pytest.mark.distributed

@@ -12,13 +12,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cases.case import KernelCase, WrapperCase
-from cases.corpus import CORPUS
-from cases.strategies import kernel_cases, linear_cases, wrapper_cases
+from harness.cases.case import KernelCase, WrapperCase
+from harness.cases.corpus import CORPUS
+from harness.cases.strategies import kernel_cases, linear_cases, wrapper_cases
 from harness.checks import all_checks
 from harness.checks import memory as memory_checks
 from harness.driver.runner import Runner
-from harness.meters import memory
+from harness.meters import memory_meter
 from harness.targets.mutants import catalog
 
 CPU = torch.device("cpu")
@@ -27,17 +27,17 @@ T, V = 8, 32
 TV4 = T * V * 4
 
 
-LEDGERS = [memory.ModeLedger] + ([memory.compiled_ledger()] if memory.compiled_ledger() else [])
+LEDGERS = [memory_meter.ModeLedger] + ([memory_meter.compiled_ledger()] if memory_meter.compiled_ledger() else [])
 
 
-@pytest.fixture(params=LEDGERS, ids=lambda ledger: "compiled" if ledger is not memory.ModeLedger else "mode")
+@pytest.fixture(params=LEDGERS, ids=lambda ledger: "compiled" if ledger is not memory_meter.ModeLedger else "mode")
 def ledger(request) -> type:
     """Each test by hand runs on both ledgers: the C++ one and the dispatch mode it is held to."""
     return request.param
 
 
-def _meter(ledger: type, *inputs: torch.Tensor) -> memory.Meter:
-    return memory.Meter(inputs, CPU, ledger=ledger)
+def _meter(ledger: type, *inputs: torch.Tensor) -> memory_meter.Meter:
+    return memory_meter.Meter(inputs, CPU, ledger=ledger)
 
 
 # ---------------------------------------------------------------------------- meters, by hand
@@ -357,7 +357,7 @@ def test_correct_designs_get_no_memory_finding(harness_pools, spec):
             assert not found, f"{case.spec()}: {found}"
 
         run()
-    applied = {name for (name, _), s in runner.stats.items() if s.applied}
+    applied = {name for (name, _), s in runner.verdicts.stats.items() if s.applied}
     unused = ({"memory-budget"} if spec != "harness.targets.fused" else set()) \
         | (set() if linear else {"memory-linear-retained"})  # a level the target does not provide
     assert applied >= MEMORY_CHECKS - unused
@@ -388,7 +388,7 @@ def test_recorded_nucleus_is_granted_its_own_size(harness_runner, monkeypatch):
 
 
 @pytest.mark.distributed
-@pytest.mark.skipif(memory.compiled_ledger() is None, reason="the C++ ledger cannot be built here (no compiler)")
+@pytest.mark.skipif(memory_meter.compiled_ledger() is None, reason="the C++ ledger cannot be built here (no compiler)")
 @pytest.mark.parametrize("strategy", [kernel_cases, wrapper_cases, linear_cases], ids=["kernel", "wrapper", "linear"])
 def test_the_compiled_ledger_counts_what_the_dispatch_mode_counts(harness_pools, strategy):
     """Every figure of every rank, by the C++ ledger and by the dispatch mode, on drawn cases of
@@ -414,7 +414,7 @@ def _scalars(figures: dict) -> dict:
 
 
 @pytest.mark.distributed
-@pytest.mark.skipif(memory.compiled_ledger() is None, reason="the C++ ledger cannot be built here (no compiler)")
+@pytest.mark.skipif(memory_meter.compiled_ledger() is None, reason="the C++ ledger cannot be built here (no compiler)")
 def test_a_collective_behind_the_ledgers_back_leaves_the_call_unmeasured_and_the_mode_after(harness_pools):
     """A routine that hands a ProcessGroup a counted storage directly: the work object's hold on it
     could race the figures, so that call has none, and the rank's later meters use the dispatch
@@ -436,9 +436,9 @@ def test_torch_rule_lookups_answer_none_for_the_meter_and_ask_the_registry_for_o
                                           lambda mode, func, types, args, kwargs: torch.full((2,), 7.0))
     find = simple_registry.find_torch_dispatch_rule
     assert getattr(find, "__harness_meter__", False), "the meter's shortcut is not installed"
-    assert find(torch.ops.aten.mul.Tensor, memory.ModeLedger) is None
+    assert find(torch.ops.aten.mul.Tensor, memory_meter.ModeLedger) is None
     assert find(torch.ops.aten.mul.Tensor, Other) is not None
     with Other():
         assert torch.equal(torch.ones(2) * torch.ones(2), torch.full((2,), 7.0))
-    with memory.ModeLedger([]):
+    with memory_meter.ModeLedger([]):
         assert torch.equal(torch.ones(2) * torch.ones(2), torch.ones(2))

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import reference as ref
+from harness import reference as ref
 
 F64 = torch.float64
 NEG_INF = float("-inf")

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cases.case import KernelCase, WrapperCase
+from harness.cases.case import KernelCase, WrapperCase
 from harness.checks.findings import Finding
 from harness.checks.tolerance import compare
 from harness.driver.explorer import run_corpus

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cases.case import KernelCase, LinearCase, WrapperCase, parse_case
 from harness.base.errors import TargetError
+from harness.cases.case import KernelCase, LinearCase, WrapperCase, parse_case
 from harness.checks.known import load as load_known
 from harness.driver.explorer import strategy_for
 from harness.driver.runner import Runner
@@ -97,16 +97,16 @@ def _runner(pools, name: str) -> Runner:
     """The installed peer's runner on the session's pools, with its known file."""
     peer = _installed(name)
     runner = Runner(peer.spec, pools=pools)
-    runner.known = load_known(peer.known)
+    runner.verdicts.known = load_known(peer.known)
     return runner
 
 
 def _explained(runner: Runner, case) -> set[str]:
     """The checks that found something in `case`; fails on any finding the known file does not explain."""
-    before = len(runner.known_findings)
+    before = len(runner.verdicts.known_findings)
     _, new = runner.check(case)  # the findings no entry explains
     assert not new, f"unexplained: {new[0].check}: {new[0].message}\n{new[0].repro}"
-    return {f.check for f in runner.known_findings[before:]}
+    return {f.check for f in runner.verdicts.known_findings[before:]}
 
 
 def test_every_adapter_loads_and_declares_itself() -> None:
@@ -213,7 +213,7 @@ def test_nemo_rl_declares_what_it_does_not_claim_and_how_to_enable_it() -> None:
     says how to put a NeMo-RL tree on PYTHONPATH when it is absent."""
     from dataclasses import replace
 
-    from cases.capabilities import fit
+    from harness.cases.capabilities import fit
     from harness.commands.peers import _why_not
     from harness.targets.peers.nemo_rl import calculate_log_probs_and_entropy, get_log_probs_and_entropy
 
@@ -237,7 +237,7 @@ def test_nemo_rl_cp_gradient_is_drawn_only_where_it_can_run() -> None:
     """NeMo-RL's CP backward moves an index to CUDA: on CPU a CP case with a gradient becomes the same
     case without autograd (its forward, and the training path's forward, are still checked); on
     CUDA it stays as drawn. A CP-1 case keeps its gradient everywhere."""
-    from cases.capabilities import fit
+    from harness.cases.capabilities import fit
 
     train = WrapperCase(tp=1, v_local=5, total_lengths=(6, 4), response_lengths=(3, 2), with_entropy=False, cp=2,
                         context="accumulate")
@@ -309,7 +309,7 @@ def test_nemo_rl_wrappers_give_the_oracle_s_pieces(harness_pools) -> None:
         runner = _runner(harness_pools, name)
         for case in cases:
             _, findings = runner.check(case)
-            assert not findings and not runner.known_findings, f"{name}: {case.spec()}"
+            assert not findings and not runner.verdicts.known_findings, f"{name}: {case.spec()}"
 
 
 def test_matrix_cells_say_pass_known_new_and_why_not() -> None:

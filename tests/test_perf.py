@@ -15,10 +15,10 @@ import sys
 
 import pytest
 
-from cases.benchmarks import PERF_CASES
-from cases.case import parse_case
 from harness.base.errors import UsageError
 from harness.base.options import DEFAULT_TARGET
+from harness.cases.benchmarks import PERF_CASES
+from harness.cases.case import parse_case
 from harness.driver.runner import Runner
 from harness.perf import callgrind as instructions
 from harness.perf import gate as baseline

@@ -149,3 +149,36 @@ def test_ini_keys_choose_the_target_and_checks_decided_before_drawing(outside: P
     assert "_pytest" not in run.stdout
     bad = _suite(outside, "--collect-only", "-o", "harness_tp=two", timeout=120)
     assert bad.returncode == 4 and "ini harness_tp: --tp takes comma-separated" in bad.stderr, bad.stderr[-2000:]
+
+
+USER_CASES = {
+    "cases/__init__.py": "WHOSE = 'the user'\n",
+    "cases/mine.py": "SHAPES = [(2, 3)]\n",
+    "reference.py": "def log_prob(x):\n    return 'the user reference'\n",
+    # The user's own code first, at conftest import (before the harness imports anything of its own).
+    "conftest.py": "import cases\nimport cases.mine\nimport reference\n",
+    # Here the harness's modules first, then the user's.
+    "test_names.py": (
+        "def test_harness_first_then_mine():\n"
+        "    import harness.cases.case\n"
+        "    import harness.reference\n"
+        "    import cases\n"
+        "    import reference\n"
+        "    assert cases.WHOSE == 'the user' and reference.log_prob(0) == 'the user reference'\n"
+        "    assert harness.cases.case.KernelCase and harness.reference.log_probs\n"
+    ),
+}
+
+
+def test_a_repo_with_its_own_cases_and_reference_runs_beside_the_suite(outside: Path) -> None:
+    """The harness's `cases/` and `reference/` install as `harness.cases` and `harness.reference`: a
+    repository with a `cases` package and a `reference.py` of its own runs its tests and the shipped
+    suite in one session, whichever imports first."""
+    for name, text in USER_CASES.items():
+        (outside / name).parent.mkdir(exist_ok=True)
+        (outside / name).write_text(text)
+    run = _pytest(outside, "test_names.py", "--pyargs", "harness.conformance", "--harness-target",
+                  "harness.targets.fused", "--harness-tp", "1", "--harness-profile", "smoke",
+                  "-k", "test_harness_first or values-kernel-tp1", "-q", timeout=180)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "2 passed" in run.stdout, run.stdout[-2000:]

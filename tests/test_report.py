@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cases.case import KernelCase, WrapperCase
+from harness.cases.case import KernelCase, WrapperCase
 from harness.cli import main
 from harness.commands import trend
 from harness.driver.runner import Runner

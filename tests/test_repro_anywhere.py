@@ -51,7 +51,7 @@ def _check(cwd: Path, target: str) -> str:
 def _reproduces(line: str, cwd: Path) -> None:
     run = subprocess.run(["bash", "-c", line], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300)
     assert run.returncode == 1, line + "\n" + run.stdout[-2000:] + run.stderr[-2000:]
-    assert "FINDING [values] rank 0 log_prob: worst at" in run.stdout
+    assert "FINDING [values] (kernel)" in run.stdout and "rank 0 log_prob: worst at" in run.stdout
 
 
 @pytest.fixture

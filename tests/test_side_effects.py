@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cases.case import KernelCase, WrapperCase, parse_case
+from harness.cases.case import KernelCase, WrapperCase, parse_case
 from harness.commands.mutate import CLEAN, kill_matrix, run_catalog
 from harness.driver.runner import Runner
-from harness.engine import process_state
+from harness.engine import state_watch
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -30,7 +30,7 @@ CP_CASE = "wrapper:tp=1,v_local=5,total_lengths=8/5,response_lengths=6/3,entropy
 
 def _leave(change) -> list[str]:
     """The findings of one watched window in which `change` runs."""
-    with process_state.watching(CPU, "kernel") as watch, process_state.watched("kernel forward"):
+    with state_watch.watching(CPU, "kernel") as watch, state_watch.watched("kernel forward"):
         change()
     return watch.findings
 
@@ -51,13 +51,13 @@ def _leave(change) -> list[str]:
     (lambda: _KEPT.append(torch.inference_mode()) or _KEPT[-1].__enter__(), "inference mode False -> True"),
 ])
 def test_each_leak_is_named_with_its_values_and_the_call_and_is_restored(change, named):
-    before = process_state.Watch(CPU, "kernel").snapshot()
+    before = state_watch.Watch(CPU, "kernel").snapshot()
     findings = _leave(change)
     # One finding per setting (inference mode turns grad mode off too: two).
     ours = [f for f in findings if f.startswith(named)]
     assert len(ours) == 1 and len(findings) <= 2, findings
     assert "after the kernel forward" in ours[0] and "(restored by the harness)" in ours[0]
-    after = process_state.Watch(CPU, "kernel").snapshot()
+    after = state_watch.Watch(CPU, "kernel").snapshot()
     assert before == after, "the harness put the state back"
 
 
@@ -89,16 +89,16 @@ def test_a_call_that_raises_is_still_watched_and_restored():
         torch.set_grad_enabled(False)
         raise ValueError("boom")
 
-    with pytest.raises(ValueError), process_state.watching(CPU, "wrapper") as watch, \
-            process_state.watched("wrapper forward"):
+    with pytest.raises(ValueError), state_watch.watching(CPU, "wrapper") as watch, \
+            state_watch.watched("wrapper forward"):
         leak_then_raise()
     assert torch.is_grad_enabled() and watch.findings[0].startswith("grad mode True -> False after the wrapper forward")
 
 
 def test_outside_a_case_nothing_is_watched():
     """A timing job's calls run bare: no snapshot cost, nothing recorded."""
-    assert process_state._active is None
-    with process_state.watched("kernel forward"):
+    assert state_watch._active is None
+    with state_watch.watched("kernel forward"):
         torch.set_num_threads(torch.get_num_threads())
 
 

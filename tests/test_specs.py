@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cases import case as case_module
-from cases.case import CASE_TYPES, CONTEXTS, LAYOUTS, LOSS_TERMS, KernelCase, parse_case, valid_values
+from harness.cases import case as case_module
+from harness.cases.case import CASE_TYPES, CONTEXTS, LAYOUTS, LOSS_TERMS, KernelCase, parse_case, valid_values
 from harness.cli import main
 from harness.commands import fields as fields_command
 

@@ -11,14 +11,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from cases.case import DRIFT, FROZEN, KernelCase, LinearCase, WrapperCase, parse_case
-from cases.corpus import CORPUS
-from cases.strategies import DEEP_CHUNKS, DEEP_T, kernel_cases, linear_cases
+from harness.cases.case import DRIFT, FROZEN, KernelCase, LinearCase, WrapperCase, parse_case
+from harness.cases.corpus import CORPUS
+from harness.cases.strategies import DEEP_CHUNKS, DEEP_T, kernel_cases, linear_cases
 from harness.checks import Evidence, all_checks
 from harness.checks.memory import allowance, budget_use
 from harness.commands.mutate import CLEAN, kill_matrix, run_catalog
 from harness.engine.executor import run_on_rank
-from harness.meters import memory
+from harness.meters import memory_meter
 from harness.targets import load_target
 
 CPU = torch.device("cpu")
@@ -129,13 +129,13 @@ def test_frozen_input_gets_no_gradient_and_the_other_is_checked():
 def test_allowance_is_one_source():
     t = WrapperCase(tp=1, v_local=7, total_lengths=(4,), response_lengths=(0,), chunk_size=1, with_entropy=False,
                     layout="transposed")
-    assert allowance(t, "peak_forward") == memory.unit(t.T, t.v_local)
+    assert allowance(t, "peak_forward") == memory_meter.unit(t.T, t.v_local)
     assert allowance(t.replace(layout="contiguous"), "peak_forward") == 0
     lin = LinearCase(tp=1, T=4, H=64, v_local=32)
     asked, frozen = allowance(lin, "peak_backward"), allowance(lin.replace(frozen="weight"), "peak_backward")
     assert asked - frozen == 12 * 32 * 64  # the weight's float32 accumulator, a product, the float32 result
     assert allowance(lin, "retained") == 0 and allowance(lin.replace(dtype="bf16"), "retained") == 4 * 64 * (4 + 32)
-    assert budget_use(t, memory.budget_slack(t.T) + allowance(t, "retained"), "retained") == 0
+    assert budget_use(t, memory_meter.budget_slack(t.T) + allowance(t, "retained"), "retained") == 0
 
 
 def test_wrapper_copy_of_transposed_logits_is_not_a_finding():

@@ -13,8 +13,8 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from cases.profiles import DEFAULT_PROFILE, PROFILES
 from harness.base.errors import UsageError
+from harness.cases.profiles import DEFAULT_PROFILE, PROFILES
 
 DEFAULT_TARGET = "harness.targets.fused"  # the built-in routine (a module path, as --target takes)
 

@@ -1,18 +1,21 @@
 """The check registry: one entry per check, each a small function of the evidence of one case.
 
-A check is added in one place: decorate a function in a module of this package with `@check(...)`.
-Its name is what `-k` selects, what findings carry, and what the mutation catalog expects.
+A check is added in one place: decorate a function in a module of this package with `@check(...)`
+(a new module is found by `all_checks`; `ORDER` only places it among the others). Its name is what
+`-k` selects, what findings carry, and what the mutation catalog expects. `verdicts` turns a
+check's evidence into findings and the run's statistics.
 """
 from __future__ import annotations
 
 import functools
 import importlib
+import pkgutil
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from cases.case import AUTOGRAD_OFF, Case
+from harness.cases.case import AUTOGRAD_OFF, Case
 from harness.checks import oracle, tolerance
 from harness.engine.observations import Observation, RankResult
 from harness.targets import Target
@@ -139,7 +142,7 @@ class Check:
     applies: Callable[[Case, Target], bool]
     twin: Callable[[Case], Case | None] | None
     needs: str | None
-    min_tp: int
+    min_ranks: int
     doc: str
     reads: tuple[str, ...] = ()  # CONTEXT_LIMITS and TARGET_LIMITS keys
     family: str = "default"
@@ -177,14 +180,14 @@ class Check:
         return None
 
     def applicable(self, case: Case, target: Target) -> bool:
-        return case.level in self.levels and ranks(case) >= self.min_tp and self.applies(case, target) \
+        return case.level in self.levels and ranks(case) >= self.min_ranks and self.applies(case, target) \
             and self.limit_note(case, target) is None
 
     def not_applied(self, case: Case, target: Target) -> str | None:
         """"not applied: why", for a case the check would apply to on the training path of a target
         that allows it to be measured, but cannot here; None when it applies, or would not apply anyway."""
         note = self.limit_note(case, target)
-        if note is None or case.level not in self.levels or ranks(case) < self.min_tp:
+        if note is None or case.level not in self.levels or ranks(case) < self.min_ranks:
             return None
         train = case.replace(context="train") if getattr(case, "context", "train") != "train" else case
         return f"not applied: {note}" if self.applies(train, target) else None
@@ -198,7 +201,7 @@ class _Sizes:
 
 
 def ranks(case: Case) -> int:
-    """The ranks that share one case's sequence: its TP group, times its CP ranks. What `min_tp`
+    """The ranks that share one case's sequence: its TP group, times its CP ranks. What `min_ranks`
     bounds (a check that compares ranks can fail at TP 1 once CP ranks share the work)."""
     return case.tp * getattr(case, "cp", 1)
 
@@ -209,7 +212,7 @@ REGISTRY: dict[str, Check] = {}
 def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
           applies: Callable[[Any, Target], bool] = lambda c, t: True,  # Any: `levels` decides the case's class
           twin: Callable[[Any], Case | None] | None = None,
-          needs: str | None = "backward", min_tp: int = 1, reads: tuple[str, ...] = (),
+          needs: str | None = "backward", min_ranks: int = 1, reads: tuple[str, ...] = (),
           family: str = "default", explain: ExplainFn | None = None,
           twin_in_same_process: bool = False, requires: RequiresFn | None = None) -> Callable[[CheckFn], CheckFn]:
     """Register a check. `needs`: the stage ("forward" or "backward") every rank must have completed
@@ -217,7 +220,7 @@ def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
     `twin`: a second case the check compares against, or None to skip; it runs alongside the case, on
     another pool, unless `twin_in_same_process`: after it, in the same worker processes (a check that
     compares what a process keeps between calls: memory figures, a repeated call's bits).
-    `min_tp`: the smallest TP size (times the CP size: `ranks`) at which the check can fail at all. `reads`: what of a call the
+    `min_ranks`: the fewest ranks sharing one sequence (TP x CP: `ranks`) at which the check can fail at all. `reads`: what of a call the
     check reads that some call contexts lack (CONTEXT_LIMITS). `family`: "bitwise" checks run only
     when asked for (`--bitwise`). `explain`: see ExplainFn. `requires`: see RequiresFn."""
     unknown = set(reads) - set(CONTEXT_LIMITS) - set(TARGET_LIMITS) - set(CASE_LIMITS)
@@ -227,7 +230,7 @@ def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
     def register(fn: CheckFn) -> CheckFn:
         if name in REGISTRY:
             raise ValueError(f"check {name!r} registered twice")
-        REGISTRY[name] = Check(name, levels, fn, applies, twin, needs, min_tp,
+        REGISTRY[name] = Check(name, levels, fn, applies, twin, needs, min_ranks,
                                (fn.__doc__ or "").strip(), tuple(reads), family, explain, twin_in_same_process,
                                requires)
         return fn
@@ -237,14 +240,23 @@ def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
 # The performance gate's checks (`harness.perf.gate`): they compare a run with a saved baseline,
 # not one case with the oracle, so they are not in the registry; findings and known entries name them.
 BASELINE_CHECKS = ("perf-time", "perf-instructions", "perf-collectives", "perf-memory")
-CHECK_MODULES = ("common", "kernel", "memory", "work", "wrapper", "side_effects", "bitwise")  # the order of summaries, JSON and test ids
+# The order checks are listed and read in (summaries, JSON, test ids, the first finding to read): the
+# checks of these modules first, in this order (a call that crashed or hung explains the other checks'
+# failures), then those of any other module of this package, by module name.
+ORDER = ("common", "kernel", "memory", "work", "wrapper", "side_effects", "bitwise")
+
+
+def check_modules() -> list[str]:
+    """Every module of this package, imported (which registers its checks), in `ORDER`."""
+    found = sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+    ordered = [m for m in ORDER if m in found] + [m for m in found if m not in ORDER]
+    return [importlib.import_module(f"{__name__}.{m}").__name__ for m in ordered]
 
 
 def all_checks(bitwise: bool = False) -> dict[str, Check]:
-    """Every registered check, module by module in CHECK_MODULES order, whatever imported them
-    first; the opt-in bitwise family only when `bitwise`."""
-    modules = [importlib.import_module(f"{__name__}.{m}") for m in CHECK_MODULES]
-    names = [m.__name__ for m in modules]
+    """Every registered check, module by module (`check_modules`), whatever imported them first; the
+    opt-in bitwise family only when `bitwise`."""
+    names = check_modules()
     return dict(sorted(((k, c) for k, c in REGISTRY.items() if bitwise or c.family != "bitwise"),
                        key=lambda kv: names.index(kv[1].fn.__module__)))
 

@@ -11,7 +11,7 @@ not expected of any routine. `tp-invariance` holds it to the float32 tolerance i
 """
 from __future__ import annotations
 
-from cases.case import Case, KernelCase, WrapperCase
+from harness.cases.case import Case, KernelCase, WrapperCase
 from harness.checks import Evidence, bitwise_diff, check
 
 BITWISE = "bitwise"

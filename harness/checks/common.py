@@ -63,7 +63,7 @@ def empty_input(ev: Evidence) -> list[str]:
     return problems
 
 
-@check("collectives", levels=CALL_LEVELS, needs=None, min_tp=2)
+@check("collectives", levels=CALL_LEVELS, needs=None, min_ranks=2)
 def collectives(ev: Evidence) -> list[str]:
     """Every rank issues the same sequence of collectives (op, group size, shape, dtype) as its TP
     peers; at CP > 1 also the same collectives over groups of the CP size as its CP peers (the TP

@@ -5,7 +5,7 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from cases.case import Case
+from harness.cases.case import Case
 
 
 @dataclass

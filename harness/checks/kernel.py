@@ -1,17 +1,20 @@
 """Level-1 checks of `calculate_log_probs_and_entropy` against the float64 oracle; they hold for
 the fused-linear level too (`calculate_linear_log_probs_and_entropy`, docs/fused-linear.md), whose
-gradients are two: the hidden states' (the same full gradient on every rank) and the weight shard's."""
+gradients are two: the hidden states' (the same full gradient on every rank) and the weight shard's.
+
+Named for the level it checks, as `reference/kernel.py` computes that level and
+`targets/mutants/kernel.py` breaks it: a level keeps one module name across the layers."""
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
 
-from cases.case import Case, KernelCase, LinearCase
+from harness.cases.case import Case, KernelCase, LinearCase
 from harness.checks import Evidence, check
 from harness.checks.terms import kernel_terms
 
-KERNEL = ("kernel", "linear")
+TOKEN_LEVELS = ("kernel", "linear")
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -26,7 +29,7 @@ def _nonempty(c: KernelCase, t) -> bool:
     return c.T > 0
 
 
-@check("values", levels=KERNEL, applies=_nonempty, needs="forward")
+@check("values", levels=TOKEN_LEVELS, applies=_nonempty, needs="forward")
 def values(ev: Evidence) -> list[str]:
     """log-probs and entropy match the float64 oracle of the same input values, at float32 scale."""
     problems = []
@@ -44,7 +47,7 @@ def _gradient_terms(ev: Evidence, run: Callable[[Case], Evidence]) -> str:
     return kernel_terms(ev, run, gradients)
 
 
-@check("gradients", levels=KERNEL, applies=lambda c, t: c.T > 0 and c.has_backward, reads=("autograd",),
+@check("gradients", levels=TOKEN_LEVELS, applies=lambda c, t: c.T > 0 and c.has_backward, reads=("autograd",),
        explain=_gradient_terms)
 def gradients(ev: Evidence) -> list[str]:
     """The local gradient is the local slice of the oracle's gradient of sum(w1*lp) + sum(w2*H);
@@ -87,14 +90,14 @@ def _gradients(ev: Evidence, group: list, second: bool) -> list[str]:
     return problems
 
 
-@check("grad-flags", levels=KERNEL, needs="forward")
+@check("grad-flags", levels=TOKEN_LEVELS, needs="forward")
 def grad_flags(ev: Evidence) -> list[str]:
     """entropy.requires_grad == with_entropy and with_entropy_grad and logits.requires_grad (linear
     level: the hidden states and weight require grad) (and
     autograd on: nothing carries a gradient under no_grad / inference_mode); entropy is None
     exactly when not requested; log_prob follows the logits."""
     c = ev.case
-    assert isinstance(c, (KernelCase, LinearCase))  # levels=KERNEL
+    assert isinstance(c, (KernelCase, LinearCase))  # levels=TOKEN_LEVELS
     problems = []
     for r in ev.ranks:
         lp, ent = r.obs.log_prob_meta, r.obs.entropy_meta
@@ -114,12 +117,12 @@ def grad_flags(ev: Evidence) -> list[str]:
     return problems
 
 
-@check("shapes-dtypes", levels=KERNEL, needs="forward")
+@check("shapes-dtypes", levels=TOKEN_LEVELS, needs="forward")
 def shapes_dtypes(ev: Evidence) -> list[str]:
     """T elements out, float32 out, the gradient in the logits' dtype and shape (linear level: the
     weight shard's and the hidden states' gradients in their dtype and shape)."""
     c = ev.case
-    assert isinstance(c, (KernelCase, LinearCase))  # levels=KERNEL
+    assert isinstance(c, (KernelCase, LinearCase))  # levels=TOKEN_LEVELS
     want_grad_dtype = _DTYPE_NAMES[c.dtype]
     problems = []
     for r in ev.ranks:
@@ -143,7 +146,7 @@ def shapes_dtypes(ev: Evidence) -> list[str]:
     return problems
 
 
-@check("finite", levels=KERNEL, applies=_nonempty, needs="forward")
+@check("finite", levels=TOKEN_LEVELS, applies=_nonempty, needs="forward")
 def finite(ev: Evidence) -> list[str]:
     """No NaN or inf where the oracle is finite (outputs and gradient)."""
     exp = ev.expected
@@ -178,14 +181,14 @@ def _outputs_match(ev: Evidence, other: Evidence, what: str) -> list[str]:
     return problems
 
 
-@check("chunk-invariance", levels=KERNEL,
+@check("chunk-invariance", levels=TOKEN_LEVELS,
        twin=lambda c: c.replace(chunk_size=-1) if c.chunk_size > 0 and c.T > 0 else None)
 def chunk_invariance(ev: Evidence) -> list[str]:
     """The same case unchunked gives the same answer within the tolerance."""
     return _outputs_match(ev, ev.twins["chunk-invariance"], "chunk_size=-1")
 
 
-@check("tp-invariance", levels=KERNEL, min_tp=2,
+@check("tp-invariance", levels=TOKEN_LEVELS, min_ranks=2,
        twin=lambda c: c.replace(tp=1, v_local=c.vocab) if c.T > 0 else None)
 def tp_invariance(ev: Evidence) -> list[str]:
     """The same global case at TP 1 gives the same answer within the tolerance."""

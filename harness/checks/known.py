@@ -23,8 +23,8 @@ if sys.version_info >= (3, 11):
 else:  # the same parser, before it joined the standard library (installed on 3.10 only: pyproject)
     import tomli as tomllib  # pyright: ignore[reportMissingImports]
 
-from cases.case import CASE_TYPES, fmt_field, parse_case, valid_values
 from harness.base.errors import UsageError
+from harness.cases.case import CASE_TYPES, fmt_field, parse_case, valid_values
 from harness.checks import BASELINE_CHECKS, all_checks
 from harness.checks.findings import Finding
 

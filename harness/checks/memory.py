@@ -1,11 +1,13 @@
 """Memory checks: invariants that hold for every correct routine whatever its design, and the
-budget a target declares. Figures come from `harness.meters.memory` (docs/memory.md); comparisons allow
-`memory.slack(T)` bytes and budgets `memory.budget_slack(T)`: the O(T) of the contract.
+budget a target declares. Figures come from `harness.meters.memory_meter` (docs/memory.md); comparisons allow
+`memory_meter.slack(T)` bytes and budgets `memory_meter.budget_slack(T)`: the O(T) of the contract.
 
 Chunking is not asserted to lower the peak: in eager autograd the backward of row slices allocates
 full-size gradients, and a routine that saves its whole softmax has the same retained bytes with
 or without chunks. `memory-chunk-passthrough` only asks the wrapper to cost what its kernel costs
 at the chunk size it was given.
+
+Named for what it checks, as `targets/mutants/memory.py` holds the defects it is shown to catch.
 """
 from __future__ import annotations
 
@@ -13,10 +15,10 @@ import functools
 from collections import Counter
 from typing import Any
 
-from cases.case import DTYPES, NONCONTIGUOUS, LinearCase, WrapperCase
+from harness.cases.case import DTYPES, NONCONTIGUOUS, LinearCase, WrapperCase
 from harness.checks import Evidence, check
-from harness.meters import memory
-from reference.cp import local_rows
+from harness.meters import memory_meter
+from harness.reference.cp import local_rows
 
 
 @functools.lru_cache(maxsize=1024)
@@ -83,7 +85,7 @@ def _list(tensors: list[dict]) -> str:
 
 
 def _compare_retained(ev: Evidence, twin: Evidence, what: str) -> list[str]:
-    allowed = memory.slack(ev.case.T)
+    allowed = memory_meter.slack(ev.case.T)
     problems = []
     for r in range(len(ev.ranks)):
         a, b = _mem(ev, r), _mem(twin, r)
@@ -136,12 +138,12 @@ def chunk_passthrough(ev: Evidence) -> list[str]:
         if kernel is None:
             continue
         chunked, whole = kernel.memory[c.chunk_size], kernel.memory[-1]
-        for m in memory.METERS:
+        for m in memory_meter.METERS:
             if got.get(m) is None or chunked.get(m) is None:
                 continue
             # The wrapper may spend its own allowance (a contiguous copy of transposed logits) on top
             # of its kernel's figure, as memory-budget lets it; below it, only O(T).
-            allowed, above = memory.slack(c.T), memory.budget_slack(c.T) + allowance(c, m)
+            allowed, above = memory_meter.slack(c.T), memory_meter.budget_slack(c.T) + allowance(c, m)
             if got[m] - chunked[m] > above or chunked[m] - got[m] > allowed:
                 like = " — the unchunked kernel's figure: log_probs_chunk_size ignored" \
                     if whole.get(m) is not None and abs(got[m] - whole[m]) <= allowed else ""
@@ -166,7 +168,7 @@ def _backward_reaches_all(c: Any, t: Any) -> bool:
 def backward_frees(ev: Evidence) -> list[str]:
     """What the forward retained is freed by the backward (its outputs, which the caller holds,
     excepted), within O(T): nothing [T, V_local]-sized outlives the step, on ctx or elsewhere."""
-    allowed = memory.slack(ev.case.T)
+    allowed = memory_meter.slack(ev.case.T)
     problems = []
     for r in range(len(ev.ranks)):
         m = _mem(ev, r)
@@ -216,7 +218,7 @@ def allowance(c: Any, meter: str) -> int:
         per_entry = 8 + DTYPES[c.dtype].itemsize
         asked = (c.T * c.H if c.hidden_grad else 0) + (c.v_local * c.H if c.weight_grad else 0)
         return upcast + per_entry * asked
-    unit = memory.unit(rows(c), c.v_local)
+    unit = memory_meter.unit(rows(c), c.v_local)
     units = 1.0 if getattr(c, "layout", "contiguous") in NONCONTIGUOUS else 0.0
     nucleus = 0
     if isinstance(c, WrapperCase):
@@ -229,7 +231,7 @@ def budget_use(c: Any, nbytes: int, meter: str = "peak_backward") -> float:
     """A memory figure on the scale of HARNESS_MEMORY_BUDGET: multiples of T*V_local*4 bytes beyond
     what every budget is given on top (the O(T) slack, and the case's `allowance`). The one rule
     of `memory-budget` and of the report's memory table: a figure fails when this exceeds its budget."""
-    return (nbytes - memory.budget_slack(c.T) - allowance(c, meter)) / memory.unit(rows(c), c.v_local)
+    return (nbytes - memory_meter.budget_slack(c.T) - allowance(c, meter)) / memory_meter.unit(rows(c), c.v_local)
 
 
 @check("memory-budget", levels=("kernel", "wrapper", "linear"), applies=lambda c, t: c.T > 0 and bool(t.memory_budget),
@@ -243,24 +245,24 @@ def budget(ev: Evidence) -> list[str]:
     gradients asked for, none for a frozen input); on CUDA the allocator's figures too, with 512 B
     of allocator rounding per live storage."""
     c = ev.case
-    unknown = sorted(set(ev.target.memory_budget) - set(memory.METERS))
+    unknown = sorted(set(ev.target.memory_budget) - set(memory_meter.METERS))
     if unknown:
-        return [f"HARNESS_MEMORY_BUDGET has unknown key(s) {unknown}; known: {list(memory.METERS)}"]
-    unit = memory.unit(rows(c), c.v_local)
+        return [f"HARNESS_MEMORY_BUDGET has unknown key(s) {unknown}; known: {list(memory_meter.METERS)}"]
+    unit = memory_meter.unit(rows(c), c.v_local)
     problems = []
     for r in range(len(ev.ranks)):
         m = _mem(ev, r)
         for meter, mult in ev.target.memory_budget.items():
             got = m.get(meter)
             if got is not None and budget_use(c, got, meter) > mult:
-                allowed = int(mult * unit) + allowance(c, meter) + memory.budget_slack(c.T)
+                allowed = int(mult * unit) + allowance(c, meter) + memory_meter.budget_slack(c.T)
                 problems.append(f"{ev.ranks[r].name}: {meter} {_fmt(got)} = {got / unit:.2f} x {_unit_name(c)}"
                                 f"{_in_logits_unit(c, got)}, budget {mult} x + allowances = {_fmt(allowed)}. "
                                 f"Largest: {_list(m.get(f'{meter}_tensors', []))}")
             cuda = m.get(f"cuda_{meter}")
-            if cuda is not None and budget_use(c, cuda - memory.CUDA_BLOCK * (m.get(f"{meter}_count") or 0), meter) > mult:
+            if cuda is not None and budget_use(c, cuda - memory_meter.CUDA_BLOCK * (m.get(f"{meter}_count") or 0), meter) > mult:
                 problems.append(f"{ev.ranks[r].name}: CUDA allocator {meter} {_fmt(cuda)} = {cuda / unit:.2f} x "
-                                f"{_unit_name(c)}, above the budget of {mult} x (with {memory.CUDA_BLOCK} B rounding "
+                                f"{_unit_name(c)}, above the budget of {mult} x (with {memory_meter.CUDA_BLOCK} B rounding "
                                 f"per storage)")
     return problems
 
@@ -270,7 +272,7 @@ def linear_retained_allowance(c: LinearCase) -> int:
     `allowance` (a float32 copy of each input that is not float32 already, i.e. O(T*H + V_local*H)
     bytes) plus O(T), and nothing [T, V_local]: the point of fusing the head is that the logits are
     recomputed in backward, never kept."""
-    return allowance(c, "retained") + memory.budget_slack(c.T)
+    return allowance(c, "retained") + memory_meter.budget_slack(c.T)
 
 
 @check("memory-linear-retained", levels=("linear",), applies=lambda c, t: c.T > 0 and c.grad_on, reads=("memory",))
@@ -287,7 +289,7 @@ def linear_retained(ev: Evidence) -> list[str]:
         got = m.get("retained")
         if got is not None and got > allowed:
             problems.append(f"{ev.ranks[r].name}: retained {_fmt(got)} after forward = "
-                            f"{got / memory.unit(c.T, c.v_local):.2f} x T*V_local*4; allowed {_fmt(allowed)} "
+                            f"{got / memory_meter.unit(c.T, c.v_local):.2f} x T*V_local*4; allowed {_fmt(allowed)} "
                             f"(float32 input copies + O(T)). "
                             f"Largest: {_list(m.get('retained_tensors', []))}")
     return problems
@@ -307,7 +309,7 @@ def _chunked_half_precision(c: Any, t: Any) -> bool:
     """Half-precision logits, a chunk size that splits the rows, and a [T, V_local] tensor that
     stands out of the O(T) slack (so it cannot be a handful of [T] vectors)."""
     return (c.T > 0 and c.dtype in HALF_PRECISION and 0 < c.chunk_size < rows(c)
-            and memory.unit(rows(c), c.v_local) > memory.slack(c.T))
+            and memory_meter.unit(rows(c), c.v_local) > memory_meter.slack(c.T))
 
 
 def _sig(t: dict, with_how: bool) -> tuple:
@@ -320,7 +322,7 @@ def _not_retained(peak: list[dict], retained: list[dict], with_how: bool) -> lis
     are marked, so there only "saved" tells roles apart. A tensor no larger than the smallest of a
     full retained listing may be a retained one the listing cut off: it is left out."""
     spare = Counter(_sig(t, with_how) for t in retained)
-    floor = min(t["bytes"] for t in retained) if len(retained) >= memory.TOP else -1
+    floor = min(t["bytes"] for t in retained) if len(retained) >= memory_meter.TOP else -1
     out = []
     for t in peak:
         if spare[_sig(t, with_how)]:
@@ -371,7 +373,7 @@ def logits_dtype(ev: Evidence) -> list[str]:
     c = ev.case
     n = rows(c)
     chunk = c.chunk_size * c.vocab * 4
-    work = WORK_CHUNKS * chunk + memory.slack(c.T)
+    work = WORK_CHUNKS * chunk + memory_meter.slack(c.T)
     whole_name = f"all {n}x{c.v_local} = {n * c.v_local:,} logits entries of the rank ({c.dtype})"
     problems = []
     for r in range(len(ev.ranks)):

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-import reference
-from cases.case import Case, KernelCase, LinearCase, WrapperCase
+from harness import reference
+from harness.cases.case import Case, KernelCase, LinearCase, WrapperCase
 from harness.checks.tolerance import Rows, grad_bound, linear_bounds, value_bounds
-from reference.cp import PAD, local_rows, response_positions
+from harness.reference.cp import PAD, local_rows, response_positions
 
 PerSample = list[torch.Tensor]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from cases.case import Case, KernelCase, LinearCase
+from harness.cases.case import Case, KernelCase, LinearCase
 from harness.checks import CheckFn, Evidence
 
 _NAMES = {"log_prob": "log-prob", "entropy": "entropy"}

@@ -1,8 +1,8 @@
 """Work checks: what a call computes that nobody asked for, read from its matmul FLOPs
-(`harness.meters.work`), compared with the same call where every input is trainable."""
+(`harness.meters.matmul_flops`), compared with the same call where every input is trainable."""
 from __future__ import annotations
 
-from cases.case import LinearCase
+from harness.cases.case import LinearCase
 from harness.checks import Evidence, check
 
 

@@ -1,15 +1,18 @@
-"""Level-2 checks of `get_log_probs_and_entropy`, the loss-side wrapper of slime PR #2153."""
+"""Level-2 checks of `get_log_probs_and_entropy`, the loss-side wrapper of slime PR #2153.
+
+Named for the level it checks, as `reference/wrapper.py` computes that level and
+`targets/mutants/wrapper.py` breaks it: a level keeps one module name across the layers."""
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
 
-from cases.case import Case, WrapperCase
+from harness.cases.case import Case, WrapperCase
 from harness.checks import Evidence, check
 from harness.checks.terms import wrapper_terms
 from harness.engine.observations import HARNESS_STEP
-from reference.cp import response_positions
+from harness.reference.cp import response_positions
 
 WRAPPER = ("wrapper",)
 

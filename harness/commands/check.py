@@ -10,10 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-from cases.profiles import PROFILES
 from harness.base import options
 from harness.base.options import RunConfig
-from harness.driver import process, torchrun
+from harness.cases.profiles import PROFILES
+from harness.driver import lifecycle, torchrun
 from harness.driver.explorer import explore, plan, run_corpus
 from harness.driver.limits import RunLimits
 from harness.driver.runner import Runner
@@ -66,7 +66,7 @@ def cmd_check(ns: argparse.Namespace, cfg: RunConfig) -> int:
                 findings += explore(runner, level, tps, n, ns.seed, shrink=not ns.no_shrink, progress=say,
                                     limits=limits, dp=dp, cp=cp)
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: report what was found so far
-            interrupted, findings = process.interrupted_by() or signal.SIGINT, list(limits.found)
+            interrupted, findings = lifecycle.interrupted_by() or signal.SIGINT, list(limits.found)
         findings = limits.final(findings)  # a hang reported once
         result = result_json(runner, findings, time.perf_counter() - start,
                              {"profile": profile.name, "seed": ns.seed, "tp": cfg.tp,
@@ -76,7 +76,7 @@ def cmd_check(ns: argparse.Namespace, cfg: RunConfig) -> int:
             if interrupted and feature is not render:
                 continue  # the report of what was found, not the gates that would run next
             result.update(known_json(runner))
-            extra = runner.new_findings(feature.finish(ns, runner, result))
+            extra = runner.verdicts.new_findings(feature.finish(ns, runner, result))
             findings += extra
             result["findings"] += [f.to_json() for f in extra]
     finally:
@@ -104,11 +104,11 @@ def cmd_check(ns: argparse.Namespace, cfg: RunConfig) -> int:
         print(f"stopped after {len(limits.found)} finding(s) (--max-findings {limits.max_findings})")
     for block in finding_blocks(findings, ns.json):
         print(block)
-    if runner.known.path:
-        print("\n" + (known_summary(runner) or f"no known findings ({runner.known.path})"))
+    if runner.verdicts.known.path:
+        print("\n" + (known_summary(runner) or f"no known findings ({runner.verdicts.known.path})"))
     if ns.json:
         Path(ns.json).write_text(json.dumps(result, indent=1))
-    known_fail = ns.strict_known and (any(e.matched for e in runner.known.entries) or bool(runner.known.stale))
+    known_fail = ns.strict_known and (any(e.matched for e in runner.verdicts.known.entries) or bool(runner.verdicts.known.stale))
     return 1 if findings or known_fail else 0
 
 

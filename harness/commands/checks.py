@@ -36,11 +36,11 @@ def _opt_in(chk: Check) -> str:
 
 
 def markdown() -> str:
-    lines = ["| check | levels | min TP | what it asserts | catalog mutants it catches |",
+    lines = ["| check | levels | min ranks (TP x CP) | what it asserts | catalog mutants it catches |",
              "|---|---|---|---|---|"]
     for chk, mutants in _rows():
         caught = ", ".join(f"`{m}`" for m in mutants) or "-"
-        lines.append(f"| `{chk.name}`{_opt_in(chk)} | {', '.join(chk.levels)} | {chk.min_tp} | "
+        lines.append(f"| `{chk.name}`{_opt_in(chk)} | {', '.join(chk.levels)} | {chk.min_ranks} | "
                      f"{_one_line(chk.doc).replace('|', '&#124;')} | {caught} |")
     return "\n".join(lines)
 
@@ -48,7 +48,7 @@ def markdown() -> str:
 def plain() -> str:
     blocks = []
     for chk, mutants in _rows():
-        head = f"{chk.name}  [{', '.join(chk.levels)}; TP >= {chk.min_tp}]{_opt_in(chk).replace('`', '')}"
+        head = f"{chk.name}  [{', '.join(chk.levels)}; TP x CP >= {chk.min_ranks}]{_opt_in(chk).replace('`', '')}"
         body = f"    {_one_line(chk.doc)}"
         if mutants:
             body += f"\n    catches: {', '.join(mutants)}"

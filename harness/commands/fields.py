@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from cases.case import CASE_TYPES, field_syntax, fmt_field
+from harness.cases.case import CASE_TYPES, field_syntax, fmt_field
 
 
 def _field_rows(level: str) -> list[tuple[str, str, str]]:

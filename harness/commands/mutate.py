@@ -12,10 +12,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cases.benchmarks import PERF_CASES
 from harness.base import options
 from harness.base.errors import UsageError
 from harness.base.options import DEFAULT_TARGET, RunConfig
+from harness.cases.benchmarks import PERF_CASES
 from harness.checks import all_checks
 from harness.checks.findings import Finding
 from harness.driver.explorer import explore, run_corpus

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cases.case import parse_case
 from harness.base import options
 from harness.base.errors import TargetError, UsageError
 from harness.base.options import RunConfig
+from harness.cases.case import parse_case
 from harness.commands import history
+from harness.driver.replay import repro_at_commit
 from harness.driver.runner import Runner
+from harness.report.console import finding_blocks
 
 # `repro`'s exit status when the target cannot be tested (not importable, no routine of the case's
 # level that the contract can call): `git bisect run` skips such a commit instead of blaming it.
@@ -23,7 +25,7 @@ def cmd_repro(ns: argparse.Namespace, cfg: RunConfig) -> int:
     except (ValueError, TypeError) as e:
         raise UsageError(f"{e} (`python -m harness fields` lists every field and its values)") from None
     if ns.repo is not None:
-        return history.repro_at_commit(ns)
+        return repro_at_commit(ns)
     try:
         runner = Runner.for_run(cfg)
     except TargetError as e:
@@ -40,8 +42,8 @@ def cmd_repro(ns: argparse.Namespace, cfg: RunConfig) -> int:
     finally:
         runner.close()
     print(case.spec())
-    for f in findings:
-        print(f"FINDING [{f.check}] {f.message}")
+    for block in finding_blocks(findings):
+        print(block)
     print(f"{len(findings)} finding(s)")
     return 1 if findings else 0
 

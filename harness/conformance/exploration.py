@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cases.profiles import Profile
+from harness.cases.profiles import Profile
 from harness.checks.findings import Finding
 from harness.driver.explorer import explore, plan, run_corpus
 from harness.driver.limits import RunLimits
@@ -43,7 +43,7 @@ def families(profile: Profile, levels: tuple[str, ...], tps: list[int], launched
 
 
 @dataclass
-class Outcome:
+class CheckOutcome:
     """One check over one family (or one level of the corpus)."""
     findings: list[Finding] = field(default_factory=list)
     applied: int = 0
@@ -61,9 +61,9 @@ class Session:
         # A hang shrunk once is not hunted again in the next family; `first_only` (pytest -x): the
         # first finding ends every exploration, as `check -x` stops at it.
         self.limits = RunLimits(1 if first_only else None)
-        self._done: dict[str, dict[str, Outcome]] = {}
+        self._done: dict[str, dict[str, CheckOutcome]] = {}
 
-    def family(self, fam: Family) -> dict[str, Outcome]:
+    def family(self, fam: Family) -> dict[str, CheckOutcome]:
         if fam.id not in self._done:
             only = self.selected.get(fam.id) or set(self.runner.checks)
             self._done[fam.id] = self._measure(fam.level, only, lambda: explore(
@@ -71,23 +71,23 @@ class Session:
                 dp=fam.dp, cp=fam.cp, only=only))
         return self._done[fam.id]
 
-    def corpus(self, level: str, tps: list[int]) -> dict[str, Outcome]:
+    def corpus(self, level: str, tps: list[int]) -> dict[str, CheckOutcome]:
         key = f"corpus-{level}"
         if key not in self._done:
             self._done[key] = self._measure(level, set(self.runner.checks), lambda: run_corpus(
                 self.runner, tps, limits=self.limits, levels=[level]))
         return self._done[key]
 
-    def _measure(self, level: str, checks: set[str], run: Any) -> dict[str, Outcome]:
+    def _measure(self, level: str, checks: set[str], run: Any) -> dict[str, CheckOutcome]:
         """Run, and read each check's outcome off the runner's counts before and after."""
-        stats = self.runner.stats
+        stats = self.runner.verdicts.stats
         before = {n: (stats[(n, level)].applied, stats[(n, level)].known, dict(stats[(n, level)].not_applied))
                   for n in checks}
         findings = run()
         out = {}
         for n, (applied, known, not_applied) in before.items():
             st = stats[(n, level)]
-            out[n] = Outcome([f for f in findings if f.check == n], st.applied - applied, st.known - known,
+            out[n] = CheckOutcome([f for f in findings if f.check == n], st.applied - applied, st.known - known,
                              {k: v - not_applied.get(k, 0) for k, v in st.not_applied.items()
                               if v > not_applied.get(k, 0)})
         return out

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from cases.profiles import PROFILES
 from harness.base.errors import TargetError
+from harness.cases.profiles import PROFILES
 from harness.checks import all_checks
-from harness.conformance.exploration import Family, Outcome, Session, families
+from harness.conformance.exploration import CheckOutcome, Family, Session, families
 from harness.plugin import launched, value
 from harness.report.console import finding_blocks
 from harness.targets import load_target
@@ -42,7 +42,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     params = []
     for fam in _families(config, target):
         for name, chk in all_checks(bitwise=value(config, "bitwise")).items():
-            if fam.level not in chk.levels or fam.tp * fam.cp < chk.min_tp:
+            if fam.level not in chk.levels or fam.tp * fam.cp < chk.min_ranks:
                 continue  # cannot fail there at all: no test
             why = chk.excluded(target, fam.tp, fam.cp)
             params.append(pytest.param(name, fam, id=f"{name}-{fam.id}",
@@ -70,7 +70,7 @@ def test_corpus(harness_session: Session, request: pytest.FixtureRequest, corpus
 
 
 def test_check(harness_session: Session, request: pytest.FixtureRequest, check_name: str, family: Family) -> None:
-    outcome: Outcome = harness_session.family(family)[check_name]
+    outcome: CheckOutcome = harness_session.family(family)[check_name]
     if not outcome.applied and not outcome.findings and not outcome.known:
         why = "; ".join(f"{n} case(s) {note}" for note, n in sorted(outcome.not_applied.items()))
         pytest.skip(f"{check_name}: applied to none of the {family.cases} {family.id} cases drawn"
@@ -87,7 +87,7 @@ def _conclude(request: pytest.FixtureRequest, findings: list, known: list[str], 
     if known:
         reason = f"known findings (--harness-known) in {what}"
         runner = request.getfixturevalue("harness_runner")
-        matched = [f for f in runner.known_findings if f.known and f.check in known]
+        matched = [f for f in runner.verdicts.known_findings if f.known and f.check in known]
         if matched:
             reason = f"known: {matched[-1].known}; e.g. {matched[-1].repro}"
         if value(request.config, "strict_known"):

@@ -16,10 +16,10 @@ from hypothesis import given
 from hypothesis import seed as hyp_seed
 from hypothesis import strategies as st
 
-from cases.case import Case
-from cases.corpus import CORPUS
-from cases.profiles import Profile, explore_settings
-from cases.strategies import LEVEL_STRATEGIES
+from harness.cases.case import Case
+from harness.cases.corpus import CORPUS
+from harness.cases.profiles import Profile, explore_settings
+from harness.cases.strategies import LEVEL_STRATEGIES
 from harness.checks.findings import Finding
 from harness.driver import torchrun
 from harness.driver.limits import HANG_SHRINK_BUDGET_S, HANG_SHRINK_MAX_CASES, RunLimits, hung

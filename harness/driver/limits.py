@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from cases.case import Case
+from harness.cases.case import Case
 from harness.checks import Evidence
 from harness.checks.findings import Finding
 from harness.engine.observations import HANG_KINDS

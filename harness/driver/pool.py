@@ -7,7 +7,7 @@ find their groups where production code looks. A pool's world is TP x CP x DP, m
 process sends each job to every rank and waits with a deadline; a rank that dies or does not
 answer becomes an error result naming it, and the pool is torn down and rebuilt. What each worker
 runs is the rank loop (`harness.engine.rank`); what the driver process holds for all its pools (the
-live pools, the parking thread, the interrupting signal) is `harness.driver.process`.
+live pools, the parking thread, the interrupting signal) is `harness.driver.lifecycle`.
 
 Stuck ranks are found by evidence, not by waiting for the collective timeout: every worker
 publishes its collective progress to a shared `ProgressBoard`; once every rank still running is
@@ -18,7 +18,7 @@ deadline scales the same way (`case_deadline`); the gloo/NCCL timeout stays as t
 Workers die with the main process (PR_SET_PDEATHSIG) and are terminated at exit, so no process
 outlives the run.
 
-A gloo pool is stopped (SIGSTOP) once idle (`process.IDLE_PARK_S`) and continued when the next job is sent. An idle
+A gloo pool is stopped (SIGSTOP) once idle (`lifecycle.IDLE_PARK_S`) and continued when the next job is sent. An idle
 gloo rank is not idle: every process group megatron-core makes (about 18 per rank) has a TCP loop
 thread that wakes 100 times a second, so a test session holding 70 idle ranks made 120,000 wakeups
 a second and ran a 2-core machine at load 150-200, four times slower than its own work. NCCL pools
@@ -42,12 +42,12 @@ import torch.multiprocessing as mp
 
 from harness.base.errors import PoolStartError
 from harness.base.options import COLLECTIVE_TIMEOUT_S
-from harness.driver import cpu_share, process
+from harness.driver import cpu_share, lifecycle
 from harness.engine import stacks, wire
 from harness.engine.observations import HANG_KINDS, RankResult
 from harness.engine.progress import ProgressBoard
 from harness.engine.rank import _worker_main, coordinates
-from harness.meters import memory
+from harness.meters import memory_meter
 from harness.meters.trace import fmt_event
 
 STARTUP_TIMEOUT_S = 120.0
@@ -139,9 +139,9 @@ class WorkerPool:
                 warnings.simplefilter("ignore")
                 import megatron.core.parallel_state  # noqa: F401
         if self.backend == "gloo":
-            process._leave_cores_to_ranks()
+            lifecycle._leave_cores_to_ranks()
         # Built (or loaded from torch's extension cache) here, once: not by every rank at once.
-        memory.compiled_ledger()
+        memory_meter.compiled_ledger()
         ctx = mp.get_context(self.start_method)
         label = f"tp{self.tp}" + (f"cp{self.cp}" if self.cp > 1 else "") + (f"dp{self.dp}" if self.dp > 1 else "")
         self.store_dir = tempfile.mkdtemp(prefix=f"harness-{label}-")
@@ -157,7 +157,7 @@ class WorkerPool:
             child.close()
             self.procs.append(p)
             self.conns.append(parent)
-        process._LIVE.add(self)
+        lifecycle._LIVE.add(self)
         replies = self._gather(time.monotonic() + STARTUP_TIMEOUT_S, watch=False)
         bad = [f"rank {r}: {m.error}" for r, m in enumerate(replies) if isinstance(m, RankResult) and m.error]
         bad += [f"rank {r}: {m[1]}" for r, m in enumerate(replies) if isinstance(m, tuple) and m[0] != "ready"]
@@ -165,7 +165,7 @@ class WorkerPool:
             self.close()
             size = f"TP {self.tp}" + (f" x CP {self.cp}" if self.cp > 1 else "") + (f" x DP {self.dp}" if self.dp > 1 else "")
             raise PoolStartError(f"{size} pool failed to start: " + "; ".join(bad))
-        with process._PARKING:
+        with lifecycle._PARKING:
             self.park()
 
     def _result(self, r: int, error: str, kind: str, trace: list | None = None) -> RankResult:
@@ -299,9 +299,9 @@ class WorkerPool:
     def submit(self, fn_path: str, args_per_rank: list[tuple], deadline_s: float) -> None:
         """Send a job to every rank and return at once; `collect` gathers it. Between the two the
         driver may submit to other pools: they work at the same time."""
-        if process._interrupted:
+        if lifecycle._interrupted:
             raise KeyboardInterrupt  # the first one was swallowed (e.g. raised inside a finalizer)
-        with process._PARKING:
+        with lifecycle._PARKING:
             self.idle_since = None
             self.wake()
         if self.board is not None:
@@ -326,12 +326,12 @@ class WorkerPool:
 
     def _idle(self) -> None:
         """From now on the parking thread may stop it (`_park_idle_pools`)."""
-        with process._PARKING:
+        with lifecycle._PARKING:
             self.idle_since = time.monotonic()
-            if process._parker is None and self.backend == "gloo":
-                process._parker = threading.Thread(target=process._park_idle_pools, name="harness-pool-parking",
+            if lifecycle._parker is None and self.backend == "gloo":
+                lifecycle._parker = threading.Thread(target=lifecycle._park_idle_pools, name="harness-pool-parking",
                                                    daemon=True)
-                process._parker.start()
+                lifecycle._parker.start()
 
     def park(self) -> None:
         """Stop every rank until the next job (gloo only: see the module's notes). Only between
@@ -365,7 +365,7 @@ class WorkerPool:
 
     def close(self, grace_s: float = 2.0) -> None:
         """Ask every rank to exit, wait up to `grace_s` for them to, then kill the rest."""
-        with process._PARKING:
+        with lifecycle._PARKING:
             self.idle_since = None
             self.wake()
         for conn in self.conns:
@@ -386,9 +386,9 @@ class WorkerPool:
         if self.store_dir:
             shutil.rmtree(self.store_dir, ignore_errors=True)
             self.store_dir = None
-        process._LIVE.discard(self)
-        if not any(pool.backend == "gloo" for pool in process._LIVE):
-            process._restore_driver_threads()
+        lifecycle._LIVE.discard(self)
+        if not any(pool.backend == "gloo" for pool in lifecycle._LIVE):
+            lifecycle._restore_driver_threads()
 
 
 

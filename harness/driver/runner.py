@@ -1,23 +1,22 @@
-"""Runs cases through the worker pools and turns what the ranks observed into findings.
+"""Runs cases through the worker pools and hands what the ranks observed to the checks.
 
-case -> pool (every rank) -> RankResults -> Evidence -> checks (against the oracle) -> findings
+case -> pool (every rank) -> RankResults -> Evidence -> `harness.checks.verdicts` -> findings
 """
 from __future__ import annotations
 
 import os
 import time
-from collections import OrderedDict, defaultdict
-from dataclasses import dataclass, field
+from collections import OrderedDict
 from typing import Any, Callable, cast
 
-from cases.capabilities import fit
-from cases.case import Case, parse_case
 from harness.base.errors import LaunchError, TargetError
 from harness.base.options import COLLECTIVE_TIMEOUT_S, RunConfig
+from harness.cases.capabilities import fit
+from harness.cases.case import Case, parse_case
 from harness.checks import Check, Evidence, all_checks, oracle
 from harness.checks.findings import Finding, repro_command
-from harness.checks.known import KnownFindings
 from harness.checks.known import load as load_known
+from harness.checks.verdicts import Verdicts
 from harness.driver import torchrun
 from harness.driver.pool import COMPILE_BOUND_S, STARTUP_TIMEOUT_S, WorkerPool, meanwhile
 from harness.engine.executor import CASE_JOB
@@ -26,7 +25,6 @@ from harness.targets import Target, load_target, repro_env
 from harness.targets.peers import absent_here
 
 CACHE_SIZE = 4096
-KNOWN_KEPT = 200  # known findings kept for the report; every match is counted on its entry
 
 
 def by_group(results: list[RankResult]) -> list[RankResult]:
@@ -49,17 +47,6 @@ def _needs_rebuild(results: list[RankResult]) -> bool:
     return any(r.trace != results[0].trace for r in results)
 
 
-@dataclass
-class CheckStats:
-    applied: int = 0
-    failed: int = 0  # new findings
-    known: int = 0  # findings a --known entry matched
-    margins_by_group: dict[str, list[float]] = field(default_factory=dict)  # max error / tolerance, per case.group()
-    not_applied: dict[str, int] = field(default_factory=dict)  # "not applied: why" -> cases
-
-    @property
-    def margins(self) -> list[float]:
-        return [m for group in self.margins_by_group.values() for m in group]
 
 
 # Pools per size on CPU: the case's own, and one more for the twins of its size that its checks
@@ -104,39 +91,22 @@ class Runner:
             else max(collective_timeout_s, COMPILE_BOUND_S)
         self.case_timeout_s = case_timeout_s
         self.checks = checks if checks is not None else all_checks(bitwise=bitwise)
-        # The bitwise property sheet: case.config() -> check -> [cases checked, cases where it held].
-        self.properties: dict[str, dict[str, list[int]]] = defaultdict(dict)
         self.pools: dict[Any, WorkerPool] = pools if pools is not None else {}  # keyed by `_pool_key`
         self._owns_pools = pools is None
         self.cases_run = 0
         self.run_seconds = 0.0
-        self.stats: dict[tuple[str, str], CheckStats] = defaultdict(CheckStats)
         self._cache: OrderedDict[Case, Evidence] = OrderedDict()
         self._unmetered: set[Case] = set()  # cached cases run without the memory meter
         self._called_on: set[Any] = set()  # the worker processes this runner's target has been called on
-        self.known = KnownFindings()
-        self.known_findings: list[Finding] = []
+        self.verdicts = Verdicts()  # what the checks concluded (harness.checks.verdicts)
 
     @classmethod
     def for_run(cls, cfg: RunConfig, target: str | None = None) -> "Runner":
         runner = cls(target or cfg.target, cfg.device, cfg.collective_timeout_s, pools=cfg.pools,
                      case_timeout_s=cfg.case_timeout_s, bitwise=cfg.bitwise)
         if cfg.known:
-            runner.known = load_known(cfg.known)
+            runner.verdicts.known = load_known(cfg.known)
         return runner
-
-    def new_findings(self, findings: list[Finding]) -> list[Finding]:
-        """The findings no known-findings entry matches; the others are kept apart as known."""
-        new = []
-        for f in findings:
-            entry = self.known.classify(f)
-            if entry is None:
-                new.append(f)
-                continue
-            f.known = entry.describe() + (f" ({entry.link})" if entry.link else "")
-            if len(self.known_findings) < KNOWN_KEPT:
-                self.known_findings.append(f)
-        return new
 
     def pool(self, tp: int, dp: int = 1, cp: int = 1) -> WorkerPool:
         """The pool of TP-`tp` groups, `cp` x `dp` of them in one world (keyed by `_pool_key`)."""
@@ -306,13 +276,13 @@ class Runner:
         """Evaluate the checks not in `outcome` yet whose twins have run (all of them with
         `run_twins`, running any twin still missing); each check's new finding, or None, goes to
         `outcome`."""
-        case = ev.case
+        repro = repro_command(self.target.spec, ev.case, self.repro_env)
         for chk in self.checks.values():
             if chk.name in outcome:
                 continue
             if chk.name not in applied:
                 if not only or chk.name in only:
-                    self._note_not_applied(chk, case)
+                    self.verdicts.not_applied(chk, ev)
                 outcome[chk.name] = None
                 continue
             if chk.name in twins:
@@ -329,29 +299,7 @@ class Runner:
                 if chk.needs and not twin.completed(chk.needs):
                     continue  # the twin's own crash is reported when it runs as a case
                 ev.twins[chk.name] = twin
-            first = len(ev.margins)
-            try:
-                problems = chk.fn(ev)
-            except Exception as e:  # outputs malformed beyond what the check anticipated
-                problems = [f"the check could not evaluate the outputs: {type(e).__name__}: {e}"]
-            stats = self.stats[(chk.name, case.level)]
-            stats.applied += 1
-            used = [m for _, m in ev.margins[first:] if m == m]
-            if used:
-                stats.margins_by_group.setdefault(case.group(), []).extend(used)
-            if chk.family == "bitwise":
-                held = self.properties[case.config()].setdefault(chk.name, [0, 0])
-                held[0] += 1
-                held[1] += not problems
-            if problems:
-                finding = Finding(chk.name, case.level, case.spec(), "; ".join(problems)[:4000],
-                                  repro_command(self.target.spec, case, self.repro_env),
-                                  ranks=sorted({r.rank for r in ev.failed_ranks}))
-                if self.new_findings([finding]):
-                    stats.failed += 1
-                    outcome[chk.name] = finding
-                else:
-                    stats.known += 1
+            outcome[chk.name] = self.verdicts.judge(chk, ev, repro)
 
     def explain(self, findings: list[Finding]) -> list[Finding]:
         """Lead each finding's message with what its check's `explain` adds (which loss term a wrong
@@ -367,14 +315,6 @@ class Runner:
             if note:
                 f.message = f"{note}; {f.message}"[:4000]
         return findings
-
-    def _note_not_applied(self, chk: Check, case: Case) -> None:
-        """A check that would apply to the case in the training context, but not in its own, says
-        why ("not applied: ..."), in the summary and the JSON, rather than skipping silently."""
-        note = chk.not_applied(case, self.target)
-        if note:
-            counts = self.stats[(chk.name, case.level)].not_applied
-            counts[note] = counts.get(note, 0) + 1
 
     def close(self) -> None:
         if self._owns_pools:

@@ -11,9 +11,9 @@ from typing import Any, Callable, overload
 import torch
 import torch.distributed as dist
 
-from cases.case import KernelCase, LinearCase, WrapperCase
+from harness.cases.case import KernelCase, LinearCase, WrapperCase
+from harness.reference.cp import PAD, local_rows
 from harness.targets import Target
-from reference.cp import PAD, local_rows
 
 _PAD = 2  # rows of other data around an "offset" slice
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-import reference
-from cases.case import Case, KernelCase, LinearCase, WrapperCase
+from harness import reference
+from harness.cases.case import Case, KernelCase, LinearCase, WrapperCase
 from harness.engine.calls import (
     KernelShard,
     LinearShard,
@@ -27,12 +27,12 @@ from harness.engine.calls import (
     weighted,
 )
 from harness.engine.observations import HARNESS_STEP, KernelPass, Observation, RankResult, TensorMeta
-from harness.engine.process_state import watched, watching
+from harness.engine.state_watch import watched, watching
 from harness.meters import trace
-from harness.meters.memory import Meter
-from harness.meters.work import Work
+from harness.meters.matmul_flops import Work
+from harness.meters.memory_meter import Meter
+from harness.reference.cp import response_positions
 from harness.targets import Target, load_target
-from reference.cp import response_positions
 
 CASE_JOB = "harness.engine.executor:case_job"
 

@@ -64,8 +64,8 @@ class Observation:
     grad_2: Optional[torch.Tensor] = None
     grad_hidden_2: Optional[torch.Tensor] = None
     integrity: list[str] = field(default_factory=list)  # problems with the caller's inputs after the call
-    side_effects: list[str] = field(default_factory=list)  # process-global state a call left changed (`process_state`)
-    memory: dict[str, Any] = field(default_factory=dict)  # `meters.memory.Meter.figures`
+    side_effects: list[str] = field(default_factory=list)  # process-global state a call left changed (`state_watch`)
+    memory: dict[str, Any] = field(default_factory=dict)  # `meters.memory_meter.Meter.figures`
     # Linear level, a frozen input: the matmul FLOPs of a forward and backward with it frozen, and
     # with both inputs trainable (`executor.frozen_and_trainable_work`).
     work: Optional[tuple[Optional[int], Optional[int]]] = None

@@ -1,7 +1,7 @@
 """Which memory ledger a process uses, and the build of the C++ one (`ledger.cpp`).
 
 `HARNESS_LEDGER=cpp|python` chooses; unset, the C++ ledger is used where it builds and the Python
-one (`memory.ModeLedger`, the reference the C++ one is held to) where it does not, saying why once.
+one (`memory_meter.ModeLedger`, the reference the C++ one is held to) where it does not, saying why once.
 
 The build is cached per environment: its name hashes the source with the torch version, the Python
 version and the environment's prefix (`sys.prefix`). Two virtual environments on one machine (two tox

@@ -33,7 +33,7 @@ _installed = False
 _observer: tuple[Callable[[Event, bool], None], Callable[[], None]] | None = None
 _depth = 0
 # Set while the C++ memory ledger meters a call: what a collective is handed instead of each tensor
-# (`memory.Meter._attached`), so that its work object holds aliases the ledger can tell apart.
+# (`memory_meter.Meter._attached`), so that its work object holds aliases the ledger can tell apart.
 _alias: Callable[[torch.Tensor], torch.Tensor] | None = None
 _inside = threading.local()  # within a traced call: a traced op it calls is part of it
 

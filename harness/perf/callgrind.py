@@ -26,8 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, cast
 
-from cases.case import KernelCase, parse_case
 from harness.base.errors import InstructionCountError
+from harness.cases.case import KernelCase, parse_case
 
 MARKER = "_PyEval_CallTracing"  # the C function behind sys.call_tracing: called by nothing else we run
 WARMUP_CALLS = 3  # lazy initialisation and Python's specializing interpreter settle before counting

@@ -28,14 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, cast
 
-from cases.benchmarks import PERF_CASES
-from cases.capabilities import needs
-from cases.case import KernelCase, parse_case
 from harness.base.errors import InstructionCountError, TargetError, UsageError
+from harness.cases.benchmarks import PERF_CASES
+from harness.cases.capabilities import needs
+from harness.cases.case import KernelCase, parse_case
 from harness.checks.findings import Finding
 from harness.driver.runner import Runner
 from harness.engine.observations import RankResult
-from harness.meters.memory import figures_of, ledger_name
+from harness.meters.memory_meter import figures_of, ledger_name
 from harness.perf import callgrind, timing
 from harness.perf.jobs import PAIRED_JOB, TIME_JOB
 from harness.targets import Target, load_target

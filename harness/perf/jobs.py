@@ -6,7 +6,7 @@ import gc
 import random
 from typing import Any, Callable
 
-from cases.case import KernelCase
+from harness.cases.case import KernelCase
 from harness.engine.calls import prepared_call, tp_group
 from harness.perf.timing import BLOCK, PAIRS, REPEATS, WARMUP_CALLS, Timer, steady_allocator, with_overhead
 from harness.targets import load_target

@@ -14,7 +14,7 @@ def summary_table(runner: Runner, findings: list[Finding]) -> str:
     for name in runner.checks:
         cells, margin, skipped = [], 0.0, 0
         for lvl in levels:
-            st = runner.stats.get((name, lvl))
+            st = runner.verdicts.stats.get((name, lvl))
             cells.append("-" if st is None else f"{st.applied}/{st.failed}" + (f" (+{st.known} known)" if st.known else ""))
             if st and st.margins:
                 margin = max(margin, max(st.margins))
@@ -74,8 +74,8 @@ def bitwise_table(runner: Runner) -> str:
     """The bitwise property sheet: per configuration, in how many cases each property held."""
     names = [n for n, c in runner.checks.items() if c.family == "bitwise"]
     rows = [("configuration", *names)]
-    for config in sorted(runner.properties):
-        got = runner.properties[config]
+    for config in sorted(runner.verdicts.properties):
+        got = runner.verdicts.properties[config]
         rows.append((config, *[("-" if n not in got else f"{'holds' if got[n][0] == got[n][1] else 'FAILS'} "
                                 f"{got[n][1]}/{got[n][0]}") for n in names]))
     return "\n".join(["bitwise properties (cases where it held / cases checked):", *_table(rows),
@@ -85,9 +85,9 @@ def bitwise_table(runner: Runner) -> str:
 
 def known_summary(runner: Runner) -> str:
     lines = []
-    for e in runner.known.entries:
+    for e in runner.verdicts.known.entries:
         if e.matched:
             lines.append(f"KNOWN {e.describe()}: {e.matched} finding(s)" + (f" ({e.link})" if e.link else ""))
-    for e in runner.known.stale:
+    for e in runner.verdicts.known.stale:
         lines.append(f"STALE known entry, matched nothing in this run: {e.describe()}")
     return "\n".join(lines)

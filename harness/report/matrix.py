@@ -48,7 +48,7 @@ def _na_reason(checks: list[Check], result: dict[str, Any]) -> str:
                if not ok and k in CAPABILITY_WORDS]
     if lacking:
         return f"applies to no case it can take ({', '.join(lacking)})"
-    if max(result.get("tp", [1])) < min(c.min_tp for c in checks):
+    if max(result.get("tp", [1])) < min(c.min_ranks for c in checks):
         return "needs TP > 1"
     return "applied to no drawn case"
 

@@ -15,13 +15,13 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cases.case import Case, KernelCase
 from harness.base import extras
+from harness.cases.case import Case, KernelCase
 from harness.checks import Evidence
 from harness.checks.findings import Finding
 from harness.checks.memory import budget_use
 from harness.driver.runner import Runner
-from harness.meters import memory
+from harness.meters import memory_meter
 from harness.report import view as report_view
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ def memory_by_config(executed: list[Evidence], budget: dict[str, float]) -> dict
             continue
         row = configs.setdefault(memory_config(case), {"cases": 0, "worst": {}, "dtype": case.dtype})
         row["cases"] += 1
-        for meter in memory.METERS:
+        for meter in memory_meter.METERS:
             got = [f[meter] for f in figures if f.get(meter) is not None]
             if not got:
                 continue

@@ -8,12 +8,12 @@ from typing import Any
 
 from harness.checks.findings import Finding
 from harness.driver.runner import Runner
-from harness.meters import memory
+from harness.meters import memory_meter
 
 
 def result_json(runner: Runner, findings: list[Finding], elapsed: float, extra: dict[str, Any]) -> dict[str, Any]:
     checks: dict[str, Any] = {}
-    for (name, lvl), st in runner.stats.items():
+    for (name, lvl), st in runner.verdicts.stats.items():
         checks.setdefault(name, {})[lvl] = {"applied": st.applied, "failed": st.failed, "known": st.known,
                                              "max_margin": max(st.margins, default=None), "margins": st.margins,
                                              "margins_by_group": st.margins_by_group, "not_applied": st.not_applied}
@@ -23,18 +23,18 @@ def result_json(runner: Runner, findings: list[Finding], elapsed: float, extra: 
         "not_checked": runner.target.not_checked, "cases_run": runner.cases_run,
         "elapsed_s": round(elapsed, 3), "case_seconds": round(runner.run_seconds, 3),
         "cases_per_s": round(runner.cases_run / runner.run_seconds, 2) if runner.run_seconds else None,
-        "memory_ledger": memory.ledger_name(),  # "cpp" or "python" (HARNESS_LEDGER)
+        "memory_ledger": memory_meter.ledger_name(),  # "cpp" or "python" (HARNESS_LEDGER)
         "findings": [f.to_json() for f in findings], "checks": checks,
         "bitwise": {config: {n: {"checked": c, "held": h} for n, (c, h) in got.items()}
-                    for config, got in sorted(runner.properties.items())} if runner.properties else None,
+                    for config, got in sorted(runner.verdicts.properties.items())} if runner.verdicts.properties else None,
         **extra,
     }
 
 
 def known_json(runner: Runner) -> dict[str, Any]:
     """The known findings apart from the new ones, and each entry of the --known file with its count."""
-    if not runner.known.path:
+    if not runner.verdicts.known.path:
         return {"known_findings": [], "known": None}
-    return {"known_findings": [f.to_json() for f in runner.known_findings],
-            "known": {"file": runner.known.path, "entries": [e.to_json() for e in runner.known.entries],
-                      "stale": [e.describe() for e in runner.known.stale]}}
+    return {"known_findings": [f.to_json() for f in runner.verdicts.known_findings],
+            "known": {"file": runner.verdicts.known.path, "entries": [e.to_json() for e in runner.verdicts.known.entries],
+                      "stale": [e.describe() for e in runner.verdicts.known.stale]}}

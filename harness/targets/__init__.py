@@ -42,8 +42,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-from cases.capabilities import OPT_IN
 from harness.base.errors import TargetError
+from harness.cases.capabilities import OPT_IN
 
 KERNEL = "calculate_log_probs_and_entropy"
 WRAPPER = "get_log_probs_and_entropy"

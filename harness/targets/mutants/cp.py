@@ -1,5 +1,8 @@
 """Context-parallel defects of the wrapper (docs/contract.md, "Context parallelism") and the TP-rank
-mistake that only a TP group off world rank 0 shows: each class overrides exactly one step."""
+mistake that only a TP group off world rank 0 shows: each class overrides exactly one step.
+
+Named for what it breaks, as `reference/cp.py` computes the CP layouts: one module name across the
+layers."""
 from __future__ import annotations
 
 import torch

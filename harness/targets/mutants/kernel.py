@@ -1,4 +1,7 @@
-"""Level-1 defects: each class overrides exactly one step of the built-in routine."""
+"""Level-1 defects: each class overrides exactly one step of the built-in routine.
+
+Named for the level it breaks, as `reference/kernel.py` computes that level and `checks/kernel.py`
+checks it: a level keeps one module name across the layers."""
 from __future__ import annotations
 
 import torch

@@ -1,5 +1,8 @@
 """Fused-linear defects (docs/fused-linear.md): each class overrides one step of the built-in
-fused-linear routine, and is checked at the linear level only."""
+fused-linear routine, and is checked at the linear level only.
+
+Named for the level it breaks, as `reference/linear.py` computes that level: a level keeps one module
+name across the layers."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,7 @@
-"""Level-2 defects of the loss-side wrapper: each class overrides exactly one wrapper step."""
+"""Level-2 defects of the loss-side wrapper: each class overrides exactly one wrapper step.
+
+Named for the level it breaks, as `reference/wrapper.py` computes that level and `checks/wrapper.py`
+checks it: a level keeps one module name across the layers."""
 from __future__ import annotations
 
 import torch

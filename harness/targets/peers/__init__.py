@@ -31,7 +31,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from cases.profiles import DEFAULT_PROFILE
+from harness.cases.profiles import DEFAULT_PROFILE
 from harness.targets import load_target
 from harness.targets.peers._source import PeerSource
 
