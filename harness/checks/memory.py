@@ -362,14 +362,14 @@ def _works_in_chunks(c: Any, peak: list[dict]) -> bool:
 @check("memory-logits-dtype", levels=("kernel", "wrapper", "linear"), applies=_chunked_half_precision,
        reads=("memory",))
 def logits_dtype(ev: Evidence) -> list[str]:
-    """NeMo-RL #2872: with bf16 or fp16 logits and a chunk size that splits the rows, the float32
-    working set is chunks, never the whole [T, V_local]. The forward's peak holds no float32 copy of
-    all the logits that the forward then frees (a whole-tensor `.float()` in front of the chunks);
-    the backward's peak holds no float32 (or float64) buffer of T*V_local elements that the
-    backward allocated (the gradient is built and returned in the logits' dtype), and the float32
-    work it allocated is at most WORK_CHUNKS chunks of [chunk_size, V] plus O(T). What the
-    forward retained, saved for backward or kept on ctx (a saved float32 softmax), is not judged
-    here: `memory-budget` weighs it."""
+    """NeMo-RL #2872: with bf16 or fp16 logits and a chunk size that splits the rows, a routine that
+    works in chunks keeps its float32 working set to chunks. The forward's peak holds no float32 copy
+    of all the logits that the forward then frees (a whole-tensor `.float()` in front of the chunks);
+    the backward's peak holds no float32 (or float64) buffer of all the logits that the backward
+    allocated (the gradient is built and returned in the logits' dtype), and the float32 work it
+    allocated is at most 16 chunks of [chunk_size, V] plus O(T). What the forward retained, saved
+    for backward or kept on ctx (a saved float32 softmax), is `memory-budget`'s to weigh, not this
+    check's; so is a routine whose forward's peak holds no chunk of rows (every row at once, by design)."""
     c = ev.case
     n = rows(c)
     chunk = c.chunk_size * c.vocab * 4
