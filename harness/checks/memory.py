@@ -5,7 +5,8 @@ budget a target declares. Figures come from `harness.meters.memory_meter` (docs/
 Chunking is not asserted to lower the peak: in eager autograd the backward of row slices allocates
 full-size gradients, and a routine that saves its whole softmax has the same retained bytes with
 or without chunks. `memory-chunk-passthrough` only asks the wrapper to cost what its kernel costs
-at the chunk size it was given.
+at the chunk size it was given, and `memory-logits-dtype` a routine that works in chunks of bf16 or
+fp16 logits to keep its float32 work to chunks (a full-size gradient in the logits' dtype is fine).
 
 Named for what it checks, as `targets/mutants/memory.py` holds the defects it is shown to catch.
 """
@@ -300,8 +301,8 @@ _WIDE = ("float32", "float64")  # the dtypes of float32 work (float64 too), as t
 _ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}  # the float dtypes, by the meter's names
 # The float32 work a chunked backward may hold at once beyond what its forward retained, in chunks of
 # [chunk_size, V] float32 (the full vocab: a gathering design's chunk). The designs measured hold at
-# most 10 (docs/memory.md, "In the logits' own dtype"); a [T, V_local] float32 buffer in pieces stands
-# out of it once T / chunk_size passes 16 * TP.
+# most 8.3, two calls' backward at once (docs/memory.md, "In the logits' own dtype"); a [T, V_local]
+# float32 buffer in pieces stands out of it once T / chunk_size passes 16 * TP.
 WORK_CHUNKS = 16
 
 
