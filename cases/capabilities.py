@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from typing import Callable
 
-from harness.cases.case import DISTILL_FUNCTIONS, DIVERGENCES, TEACHERS, Case, DistillCase, KernelCase, LinearCase
+from harness.cases.case import (
+    DISTILL_FUNCTIONS,
+    DIVERGENCES,
+    TEACHERS,
+    Case,
+    DistillCase,
+    KernelCase,
+    LinearCase,
+    WrapperCase,
+)
 
 # entropy: computes one; keep_mask: takes log_prob_keep_mask; metric_only_entropy: honours
 # with_entropy_grad=False (an entropy without autograd history). A routine without the last one
@@ -24,8 +33,12 @@ from harness.cases.case import DISTILL_FUNCTIONS, DIVERGENCES, TEACHERS, Case, D
 # cp_gradient: its wrapper's backward runs at CP > 1; without it (NeMo-RL's on CPU: its CP backward
 # moves an index to CUDA), a CP case runs without autograd, which checks the CP forward and, through
 # the training-path forward every such case also runs, that the two paths agree.
+# wrapper_half_precision: the wrapper takes bf16 and fp16 logits (the contract's are float32, and slime's
+# wrapper asserts it), as NeMo-RL's packed log-probs do; declared, not assumed: without it, wrapper
+# cases run on float32 logits.
 CAPABILITIES = ("entropy", "keep_mask", "metric_only_entropy", "top_p", "context_parallel", "allgather_cp",
-                "cp_gradient")
+                "cp_gradient", "wrapper_half_precision")
+OPT_IN = ("wrapper_half_precision",)  # capabilities a routine has only where it declares them
 # The distillation level (docs/distill.md): `distill_FUNCTION` (inferred False for a function the module
 # lacks); a divergence `kind` (`forward_kl`, ...); a teacher (`full_teacher`, `topk_teacher`,
 # `given_teacher`); a top-k support renormalized over itself (`renormalized`) or not (`unnormalized`),
@@ -53,6 +66,8 @@ def needs(case: Case) -> set[str]:
         out.add("allgather_cp")
     if getattr(case, "cp", 1) > 1 and case.autograd:
         out.add("cp_gradient")
+    if isinstance(case, WrapperCase) and case.dtype != "fp32":
+        out.add("wrapper_half_precision")
     return out
 
 
@@ -102,6 +117,8 @@ def fit(case: Case, supports: Callable[[str], bool]) -> Case:
         case = case.replace(cp_layout="zigzag")
     if "cp_gradient" in needs(case) and not supports("cp_gradient"):
         case = case.replace(context="no_grad")
+    if "wrapper_half_precision" in needs(case) and not supports("wrapper_half_precision"):
+        case = case.replace(dtype="fp32")
     wants = needs(case)
     if isinstance(case, KernelCase) and "keep_mask" in wants and not supports("keep_mask"):
         case = case.replace(mask="none")

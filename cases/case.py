@@ -91,7 +91,7 @@ def _plus(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None
 
 @dataclass(frozen=True)
 class WrapperInputs:
-    logits: torch.Tensor  # [T, V] float32 (the wrapper adds the batch dim)
+    logits: torch.Tensor  # [T, V], case dtype (the wrapper adds the batch dim)
     unconcat_tokens: list[torch.Tensor]
     top_p_token_ids: list[torch.Tensor | list[int]] | None  # per sample, slime's encoding (docs/contract.md)
     top_p_token_offsets: list[torch.Tensor | list[int]] | None
@@ -134,6 +134,7 @@ class _CaseBase:
     context: str
     chunk_size: int
     with_entropy: bool
+    later_fields: ClassVar[frozenset[str]] = frozenset()  # this level's own fields added later (`spec`)
 
     if TYPE_CHECKING:
         @property
@@ -149,8 +150,9 @@ class _CaseBase:
     def spec(self) -> str:
         """Stable one-line form; `parse_case(spec)` rebuilds the case. Fields added after the first
         release are left out at their default, so earlier specs (and baselines keyed by them) stay."""
+        later = _LATER_FIELDS | self.later_fields
         parts = [f"{f.name}={fmt_field(getattr(self, f.name))}" for f in dataclasses.fields(self)
-                 if f.name not in _LATER_FIELDS or getattr(self, f.name) != f.default]
+                 if f.name not in later or getattr(self, f.name) != f.default]
         return f"{self.level}:" + ",".join(parts)
 
     def replica(self, d: int):
@@ -310,7 +312,11 @@ class WrapperCase(_CaseBase):
     # world is TP x CP x DP. `T` stays the whole sequence's rows, drawn alike at every CP size.
     cp: int = 1
     cp_layout: str = choice("zigzag", CP_LAYOUTS)
+    # The logits' dtype: float32 as the contract has them; bf16 or fp16 for a wrapper that declares it
+    # takes them (`HARNESS_CAPABILITIES["wrapper_half_precision"]`, as NeMo-RL's packed log-probs do).
+    dtype: str = choice("fp32", DTYPES)
     level: ClassVar[str] = "wrapper"
+    later_fields: ClassVar[frozenset[str]] = frozenset({"dtype"})
 
     @property
     def T(self) -> int:
@@ -329,13 +335,14 @@ class WrapperCase(_CaseBase):
     def group(self) -> str:
         dp = f"-dp{self.dp}" if self.dp > 1 else ""
         cp = f"-cp{self.cp}{self.cp_layout}" if self.cp > 1 else ""
-        return f"{self.level}-tp{self.tp}{cp}{dp}-{'topp' if self.top_p != 'none' else 'plain'}"
+        dtype = f"-{self.dtype}" if self.dtype != "fp32" else ""
+        return f"{self.level}-tp{self.tp}{cp}{dp}{dtype}-{'topp' if self.top_p != 'none' else 'plain'}"
 
     def cp_filler(self, cp_rank: int, rows: int) -> torch.Tensor:
-        """Finite float32 logits `[rows, V]` for CP rank `cp_rank`'s padding rows (no sample's row):
+        """Finite logits `[rows, V]` in the case's dtype for CP rank `cp_rank`'s padding rows (no sample's row):
         drawn from the seed, so every TP rank of that CP rank holds its shard of the same rows."""
         g = _generator((self.seed * 31 + cp_rank + 1) % 2**31)
-        return torch.randn(rows, self.vocab, generator=g, dtype=torch.float64).to(torch.float32)
+        return torch.randn(rows, self.vocab, generator=g, dtype=torch.float64).to(DTYPES[self.dtype])
 
     @property
     def kernel_comparable(self) -> bool:
@@ -358,7 +365,7 @@ class WrapperCase(_CaseBase):
     def inputs(self) -> WrapperInputs:
         g = _generator(self.seed)
         V = self.vocab
-        logits = _logits(g, self.T, V, self.regime, torch.float32)
+        logits = _logits(g, self.T, V, self.regime, torch.float32).to(DTYPES[self.dtype])
         tokens = [torch.randint(0, V, (L,), generator=g) for L in self.total_lengths]
         ids: list[Any] | None = None
         offsets: list[Any] | None = None

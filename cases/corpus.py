@@ -53,6 +53,12 @@ CORPUS: tuple[Regression, ...] = (
                "values", KernelCase(tp=2, T=8, v_local=13, regime="peaked", seed=2656)),
     Regression("wrapper-chunk-size", "NeMo-RL #2871/#2872: the chunk size was ignored on the training path",
                "memory-chunk-passthrough", _w(v_local=64, chunk_size=2, entropy_coef=0.01)),
+    Regression("chunked-grad-float32-buffer", "NeMo-RL #2871/#2872: a chunked backward zeroed a float32 gradient "
+               "buffer of the whole bf16 logits", "memory-logits-dtype",
+               KernelCase(tp=2, T=16, v_local=64, dtype="bf16", chunk_size=4, with_entropy=False, seed=2872)),
+    Regression("wrapper-logits-float32", "NeMo-RL #2871/#2872: the caller cast the whole bf16 logits to float32 in "
+               "front of the chunked kernel", "memory-logits-dtype",
+               _w(v_local=64, chunk_size=2, entropy_coef=0.01, dtype="bf16")),
     Regression("metric-only-memory", "slime #2144/#2153: a metric-only entropy must not pay for an entropy "
                "gradient's [T, V_local] buffers", "memory-metric-only",
                KernelCase(tp=2, T=8, v_local=64, dtype="bf16", mask="random", with_entropy_grad=False, seed=2144)),

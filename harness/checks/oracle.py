@@ -152,8 +152,15 @@ def _wrapper(case: WrapperCase) -> Expected:
     w2 = w_ent if out["entropy_requires_grad"] else None
     grad = reference.wrapper_logits_grad(inp.logits, args, w_log_probs=w_lp, w_entropy=w2, **common) \
         if case.grad_on else None
+    rounded = grad
     if inp.w_log_probs_2 is not None:  # the error bound of two summed gradients
         assert inp.w_entropy_2 is not None  # the second call's weights come as a pair
+        if grad is not None and case.dtype != "fp32":
+            # As at the kernel: each call's gradient is rounded to the bf16/fp16 logits' dtype before
+            # the two are summed in it (float32 logits carry no rounding there).
+            rounded = grad.abs() + sum(reference.wrapper_logits_grad(
+                inp.logits, args, w_log_probs=a, w_entropy=b if w2 is not None else None, **common).abs()
+                for a, b in ((inp.w_log_probs, inp.w_entropy), (inp.w_log_probs_2, inp.w_entropy_2)))
         w_lp = [a.abs() + b.abs() for a, b in zip(inp.w_log_probs, inp.w_log_probs_2, strict=True)]
         w2 = ([a.abs() + b.abs() for a, b in zip(inp.w_entropy, inp.w_entropy_2, strict=True)]
               if w2 is not None else None)
@@ -166,15 +173,16 @@ def _wrapper(case: WrapperCase) -> Expected:
     rows = reference.response_rows(lengths, responses)
     mask = reference.top_p_keep_mask(case.T, case.vocab, lengths, responses, inp.top_p_token_ids,
                                      inp.top_p_token_offsets)
-    rounded = t != 1.0
+    divided = t != 1.0
     stats = Rows(z, tokens, mask)  # shared by the values' and the gradient's bounds
-    lp_tol, ent_tol = value_bounds(z, tokens, mask, tp=case.tp, input_rounded=rounded, rows=stats)
+    lp_tol, ent_tol = value_bounds(z, tokens, mask, tp=case.tp, input_rounded=divided, rows=stats)
     grad_tol = None
     if grad is not None:
+        assert rounded is not None  # with the gradient
         w1_rows = _scatter(w_lp, rows, case.T)
         w2_rows = _scatter(w2, rows, case.T) if w2 is not None else None
-        grad_tol = grad_bound(z, tokens, mask, w1_rows, w2_rows, tp=case.tp, input_rounded=rounded,
-                              grad=grad * t, rows=stats) / abs(t)
+        grad_tol = grad_bound(z, tokens, mask, w1_rows, w2_rows, tp=case.tp, dtype=case.dtype, input_rounded=divided,
+                              grad=rounded * t, rows=stats) / abs(t)
     return Expected(
         log_prob=out["log_probs"], entropy=out["entropy"], grad=grad,
         entropy_requires_grad=out["entropy_requires_grad"],

@@ -20,8 +20,9 @@ them, under the contract's names. Optional module attributes describe it further
   meter stays off and the memory checks say "not applied"); or that is not tensor-parallel, so its adapter gathers the shards at TP > 1
   (`"tensor_parallel": False`: the memory checks say "not applied" there: the gather's cost is the
   adapter's); or whose wrapper's CP backward cannot run (`"cp_gradient": False`: its CP cases run
-  without autograd). A value may be given per device, `{"cpu": False}`: a run on that device
-  fits its cases to False, any other to True;
+  without autograd). One is False unless declared: `"wrapper_half_precision"`, a wrapper that takes
+  bf16 and fp16 logits besides the contract's float32 ones. A value may be given per device,
+  `{"cpu": False}`: a run on that device fits its cases to False, any other to True;
 - `HARNESS_MEMORY_BUDGET`: dict of retained/peak budgets as multiples of `T * V_local * 4` bytes.
 
 A routine older than the contract's newest parameters (no `with_entropy_grad`, no top-p arguments)
@@ -43,6 +44,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 from harness.base.errors import TargetError
+from harness.cases.capabilities import OPT_IN
 
 KERNEL = "calculate_log_probs_and_entropy"
 WRAPPER = "get_log_probs_and_entropy"
@@ -73,7 +75,7 @@ class Target:
     def supports(self, feature: str) -> bool:
         """Whether it has `feature`; one declared per device counts only where every device has it
         (`on` resolves it for the device of a run)."""
-        value = self.capabilities.get(feature, True)
+        value = self.capabilities.get(feature, feature not in OPT_IN)
         return all(value.values()) if isinstance(value, dict) else value
 
     def on(self, device: str) -> "Target":

@@ -604,6 +604,8 @@ class FusedLogProbEntropy:
 # What the memory checks hold this routine to (docs/memory.md), in units of T * V_local * 4 bytes
 # plus O(T): one saved float32 softmax, and the eager temporaries of an unchunked call.
 HARNESS_MEMORY_BUDGET = {"retained": 1.0, "peak_forward": 9.0, "peak_backward": 9.0}
+# Its wrapper takes bf16 and fp16 logits too: the kernel upcasts them a chunk at a time.
+HARNESS_CAPABILITIES = {"wrapper_half_precision": True}
 
 ROUTINE = FusedLogProbEntropy()
 calculate_log_probs_and_entropy = ROUTINE.calculate_log_probs_and_entropy

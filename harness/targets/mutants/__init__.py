@@ -68,4 +68,5 @@ def mutant_namespace(name: str) -> SimpleNamespace:
     names = [n for lvl in entry.levels for n in (DISTILL.values() if lvl == "distill" else (ENTRY_POINTS[lvl],))]
     functions = {n: getattr(routine, n) for n in names}
     # A mutant is held to the built-in routine's declared budget: exceeding it is a defect too.
-    return SimpleNamespace(**functions, HARNESS_MEMORY_BUDGET=fused.HARNESS_MEMORY_BUDGET)
+    return SimpleNamespace(**functions, HARNESS_MEMORY_BUDGET=fused.HARNESS_MEMORY_BUDGET,
+                           HARNESS_CAPABILITIES=fused.HARNESS_CAPABILITIES)
