@@ -117,18 +117,20 @@ def test_corpus_runs_clean_on_the_builtin(harness_runner):
     assert run_corpus(harness_runner, [1, 2, 4]) == []
 
 
-@settings(max_examples=200, derandomize=True)
-@given(wrapper_cases())
-def test_half_precision_wrapper_logits_are_drawn_without_temperature(case):
+def test_half_precision_wrapper_logits_are_drawn_without_temperature_and_float32_specs_stay():
     """bf16 and fp16 wrapper logits, for a wrapper that takes them, at temperature 1 only: a division in
     the logits' dtype rounds the kernel's input beyond float32 scale."""
-    assert case.dtype == "fp32" or case.temperature in (None, 1.0)
-    assert case.inputs().logits.dtype == {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[case.dtype]
-    _seen.setdefault("wrapper dtype", set()).add(case.dtype)
+    dtypes: set[str] = set()
 
+    @settings(max_examples=200, derandomize=True)
+    @given(wrapper_cases())
+    def draw(case):
+        assert case.dtype == "fp32" or case.temperature in (None, 1.0)
+        assert case.inputs().logits.dtype == {"fp32": torch.float32, "bf16": torch.bfloat16,
+                                              "fp16": torch.float16}[case.dtype]
+        dtypes.add(case.dtype)
 
-def test_wrapper_dtypes_were_drawn_and_float32_specs_stay():
-    test_half_precision_wrapper_logits_are_drawn_without_temperature()
-    assert _seen["wrapper dtype"] == {"fp32", "bf16", "fp16"}
+    draw()
+    assert dtypes == {"fp32", "bf16", "fp16"}
     case = WrapperCase(tp=2, v_local=3, total_lengths=(3,), response_lengths=(1,))
     assert "dtype" not in case.spec() and parse_case(case.replace(dtype="bf16").spec()).dtype == "bf16"
