@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from typing import Callable
 
-from harness.cases.case import Case, KernelCase, LinearCase
+from harness.cases.case import (
+    DISTILL_FUNCTIONS,
+    DIVERGENCES,
+    TEACHERS,
+    Case,
+    DistillCase,
+    KernelCase,
+    LinearCase,
+    WrapperCase,
+)
 
 # entropy: computes one; keep_mask: takes log_prob_keep_mask; metric_only_entropy: honours
 # with_entropy_grad=False (an entropy without autograd history). A routine without the last one
@@ -24,8 +33,20 @@ from harness.cases.case import Case, KernelCase, LinearCase
 # cp_gradient: its wrapper's backward runs at CP > 1; without it (NeMo-RL's on CPU: its CP backward
 # moves an index to CUDA), a CP case runs without autograd, which checks the CP forward and, through
 # the training-path forward every such case also runs, that the two paths agree.
+# wrapper_half_precision: the wrapper takes bf16 and fp16 logits (the contract's are float32, and slime's
+# wrapper asserts it), as NeMo-RL's packed log-probs do; declared, not assumed: without it, wrapper
+# cases run on float32 logits.
 CAPABILITIES = ("entropy", "keep_mask", "metric_only_entropy", "top_p", "context_parallel", "allgather_cp",
-                "cp_gradient")
+                "cp_gradient", "wrapper_half_precision")
+OPT_IN = ("wrapper_half_precision",)  # capabilities a routine has only where it declares them
+# The distillation level (docs/distill.md): `distill_FUNCTION` (inferred False for a function the module
+# lacks); a divergence `kind` (`forward_kl`, ...); a teacher (`full_teacher`, `topk_teacher`,
+# `given_teacher`); a top-k support renormalized over itself (`renormalized`) or not (`unnormalized`),
+# for the divergence and the gather; a differentiable teacher (`teacher_grad`); a temperature other
+# than 1 (`temperature`). A routine without one is given the nearest case that it has.
+DISTILL_CAPABILITIES = (*(f"distill_{f}" for f in DISTILL_FUNCTIONS), *DIVERGENCES,
+                        *(f"{t}_teacher" for t in TEACHERS), "renormalized", "unnormalized", "teacher_grad",
+                        "temperature")
 
 
 def needs(case: Case) -> set[str]:
@@ -45,11 +66,45 @@ def needs(case: Case) -> set[str]:
         out.add("allgather_cp")
     if getattr(case, "cp", 1) > 1 and case.autograd:
         out.add("cp_gradient")
+    if isinstance(case, WrapperCase) and case.dtype != "fp32":
+        out.add("wrapper_half_precision")
     return out
+
+
+def fit_distill(case: DistillCase, supports: Callable[[str], bool]) -> DistillCase:
+    """The nearest distillation case whose function, divergence, teacher, support and flags the routine
+    has (the case itself when it has them all)."""
+    changes: dict = {}
+    if not supports(f"distill_{case.function}"):
+        function = next((f for f in DISTILL_FUNCTIONS if supports(f"distill_{f}")), case.function)
+        changes.update(function=function)
+        if function == "topk":
+            changes.update(requires_grad=False, teacher_grad=False)
+    function = changes.get("function", case.function)
+    if case.teacher_grad and (function != "divergence" or not supports("teacher_grad")):
+        changes.update(teacher_grad=False)
+    if function == "divergence":
+        if not supports(f"{case.teacher}_teacher"):
+            changes.update(teacher=next((t for t in TEACHERS if supports(f"{t}_teacher")), case.teacher))
+        if not supports(case.kind):
+            changes.update(kind=next((k for k in DIVERGENCES if supports(k)), case.kind))
+        if case.self_teacher and changes.get("kind", case.kind) == "soft_ce":
+            changes.update(self_teacher=False)
+    have, other = ("renormalized", "unnormalized") if case.renormalize else ("unnormalized", "renormalized")
+    if not supports(have) and supports(other):
+        changes.update(renormalize=not case.renormalize)
+    if case.temperature != 1.0 and (not supports("temperature") or (
+            changes.get("teacher", case.teacher) == "given" and not changes.get("renormalize", case.renormalize))):
+        changes.update(temperature=1.0)
+    if changes.get("kind", case.kind) == "jsd" and not 0.0 < case.beta < 1.0:
+        changes.update(beta=0.5)
+    return case.replace(**changes) if changes else case
 
 
 def fit(case: Case, supports: Callable[[str], bool]) -> Case:
     """The nearest case that needs only what `supports` allows (the case itself when it does)."""
+    if isinstance(case, DistillCase):
+        return fit_distill(case, supports)
     if isinstance(case, (KernelCase, LinearCase)) and case.with_entropy and not case.with_entropy_grad \
             and not supports("metric_only_entropy"):
         case = case.replace(with_entropy_grad=True)
@@ -62,6 +117,8 @@ def fit(case: Case, supports: Callable[[str], bool]) -> Case:
         case = case.replace(cp_layout="zigzag")
     if "cp_gradient" in needs(case) and not supports("cp_gradient"):
         case = case.replace(context="no_grad")
+    if "wrapper_half_precision" in needs(case) and not supports("wrapper_half_precision"):
+        case = case.replace(dtype="fp32")
     wants = needs(case)
     if isinstance(case, KernelCase) and "keep_mask" in wants and not supports("keep_mask"):
         case = case.replace(mask="none")

@@ -91,7 +91,7 @@ def _plus(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None
 
 @dataclass(frozen=True)
 class WrapperInputs:
-    logits: torch.Tensor  # [T, V] float32 (the wrapper adds the batch dim)
+    logits: torch.Tensor  # [T, V], case dtype (the wrapper adds the batch dim)
     unconcat_tokens: list[torch.Tensor]
     top_p_token_ids: list[torch.Tensor | list[int]] | None  # per sample, slime's encoding (docs/contract.md)
     top_p_token_offsets: list[torch.Tensor | list[int]] | None
@@ -134,6 +134,7 @@ class _CaseBase:
     context: str
     chunk_size: int
     with_entropy: bool
+    later_fields: ClassVar[frozenset[str]] = frozenset()  # this level's own fields added later (`spec`)
 
     if TYPE_CHECKING:
         @property
@@ -149,8 +150,9 @@ class _CaseBase:
     def spec(self) -> str:
         """Stable one-line form; `parse_case(spec)` rebuilds the case. Fields added after the first
         release are left out at their default, so earlier specs (and baselines keyed by them) stay."""
+        later = _LATER_FIELDS | self.later_fields
         parts = [f"{f.name}={fmt_field(getattr(self, f.name))}" for f in dataclasses.fields(self)
-                 if f.name not in _LATER_FIELDS or getattr(self, f.name) != f.default]
+                 if f.name not in later or getattr(self, f.name) != f.default]
         return f"{self.level}:" + ",".join(parts)
 
     def replica(self, d: int):
@@ -310,7 +312,11 @@ class WrapperCase(_CaseBase):
     # world is TP x CP x DP. `T` stays the whole sequence's rows, drawn alike at every CP size.
     cp: int = 1
     cp_layout: str = choice("zigzag", CP_LAYOUTS)
+    # The logits' dtype: float32 as the contract has them; bf16 or fp16 for a wrapper that declares it
+    # takes them (`HARNESS_CAPABILITIES["wrapper_half_precision"]`, as NeMo-RL's packed log-probs do).
+    dtype: str = choice("fp32", DTYPES)
     level: ClassVar[str] = "wrapper"
+    later_fields: ClassVar[frozenset[str]] = frozenset({"dtype"})
 
     @property
     def T(self) -> int:
@@ -329,13 +335,14 @@ class WrapperCase(_CaseBase):
     def group(self) -> str:
         dp = f"-dp{self.dp}" if self.dp > 1 else ""
         cp = f"-cp{self.cp}{self.cp_layout}" if self.cp > 1 else ""
-        return f"{self.level}-tp{self.tp}{cp}{dp}-{'topp' if self.top_p != 'none' else 'plain'}"
+        dtype = f"-{self.dtype}" if self.dtype != "fp32" else ""
+        return f"{self.level}-tp{self.tp}{cp}{dp}{dtype}-{'topp' if self.top_p != 'none' else 'plain'}"
 
     def cp_filler(self, cp_rank: int, rows: int) -> torch.Tensor:
-        """Finite float32 logits `[rows, V]` for CP rank `cp_rank`'s padding rows (no sample's row):
+        """Finite logits `[rows, V]` in the case's dtype for CP rank `cp_rank`'s padding rows (no sample's row):
         drawn from the seed, so every TP rank of that CP rank holds its shard of the same rows."""
         g = _generator((self.seed * 31 + cp_rank + 1) % 2**31)
-        return torch.randn(rows, self.vocab, generator=g, dtype=torch.float64).to(torch.float32)
+        return torch.randn(rows, self.vocab, generator=g, dtype=torch.float64).to(DTYPES[self.dtype])
 
     @property
     def kernel_comparable(self) -> bool:
@@ -358,7 +365,7 @@ class WrapperCase(_CaseBase):
     def inputs(self) -> WrapperInputs:
         g = _generator(self.seed)
         V = self.vocab
-        logits = _logits(g, self.T, V, self.regime, torch.float32)
+        logits = _logits(g, self.T, V, self.regime, torch.float32).to(DTYPES[self.dtype])
         tokens = [torch.randint(0, V, (L,), generator=g) for L in self.total_lengths]
         ids: list[Any] | None = None
         offsets: list[Any] | None = None
@@ -487,12 +494,176 @@ class LinearCase(_CaseBase):
         return LinearInputs(hidden.to(dtype), weight.to(dtype), tokens, w1 if lp else None, w2 if ent else None)
 
 
+# The distillation level (docs/distill.md): which of its functions a case calls, the divergence, the
+# teacher it is measured from (sharded logits over the whole vocabulary; sharded logits whose top-k the
+# routine takes as the support; a teacher pass's top-k log-probs and global ids), the inputs' regime
+# (`disjoint`: the teacher's top entries are the student's bottom ones) and how the routine is called.
+DISTILL_FUNCTIONS = ("divergence", "log_softmax", "topk", "gather")
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "mixed", "soft_ce")
+TEACHERS = ("full", "topk", "given")
+DISTILL_REGIMES = ("normal", "peaked", "ties", "neginf", "disjoint")
+DISTILL_CONTEXTS = ("train", "no_grad")
+_DISTILL_SCALE = 2.0  # logits N(0, 2^2): distributions neither uniform nor one-hot
+_DISTILL_EDGE = 8.0  # a planted top entry on a shard edge stands this far above the rest
+
+
+@dataclass(frozen=True)
+class DistillInputs:
+    student: torch.Tensor  # [T, V], case dtype
+    teacher: torch.Tensor  # [T, V], case dtype (the teacher's logits; `given` hands over their top-k instead)
+    topk_log_probs: torch.Tensor  # [T, k'] float32: the teacher pass's log-probs at its top-k (temperature 1)
+    topk_ids: torch.Tensor  # [T, k'] int64 global ids: the `given` support, and `gather`'s indices
+    weights: torch.Tensor  # float32 upstream weights of the output: [T], [T, V] (log_softmax) or [T, k'] (gather)
+
+
+@dataclass(frozen=True)
+class DistillCase(_CaseBase):
+    """A distillation case (docs/distill.md): one of the level's four functions on a student's (and a
+    teacher's) `[T, V]` logits, sharded over the vocabulary. Inputs come from (seed, T, V) only, so
+    the same global case at TP 1 (tp-invariance) sees the same values."""
+    tp: int
+    T: int
+    v_local: int
+    function: str = choice("divergence", DISTILL_FUNCTIONS)
+    kind: str = choice("forward_kl", DIVERGENCES)
+    teacher: str = choice("full", TEACHERS)
+    k: int = 4  # top-k size: `topk`'s, the `topk`/`given` teacher's support, `gather`'s ids
+    beta: float = 0.5  # jsd's mixture weight of the teacher, mixed's weight of the forward KL
+    renormalize: bool = True  # a top-k support: both distributions renormalized over it
+    temperature: float = 1.0
+    dtype: str = choice("fp32", DTYPES)
+    regime: str = choice("normal", DISTILL_REGIMES)
+    chunk_size: int = -1
+    requires_grad: bool = True  # the student's logits
+    teacher_grad: bool = False  # the teacher's logits require grad too (full and topk teachers)
+    self_teacher: bool = False  # the teacher's logits are the student's: every divergence but soft_ce is 0
+    seed: int = 0
+    dp: int = 1
+    layout: str = choice("contiguous", LAYOUTS)  # of the student's logits handed over
+    context: str = choice("train", DISTILL_CONTEXTS)
+    level: ClassVar[str] = "distill"
+    with_entropy: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        problems = []
+        if self.function == "topk" and (self.requires_grad or self.teacher_grad):
+            problems.append("topk is the teacher's pass: requires_grad=0 and teacher_grad=0")
+        if self.kind == "jsd" and not 0.0 < self.beta < 1.0:
+            problems.append("jsd needs 0 < beta < 1")
+        if not 0.0 <= self.beta <= 1.0:
+            problems.append("beta is a weight in [0, 1]")
+        if self.teacher_grad and (self.function != "divergence" or self.teacher == "given"):
+            problems.append("teacher_grad needs a divergence from the teacher's logits (teacher full or topk)")
+        if self.k < 1 and (self.function in ("topk", "gather") or self.teacher != "full"):
+            problems.append("k >= 1")
+        if self.teacher == "given" and not self.renormalize and self.temperature != 1.0:
+            problems.append("given top-k log-probs are used as given without renormalize: temperature=1.0")
+        if self.self_teacher and self.kind == "soft_ce":
+            problems.append("self_teacher measures a divergence, and soft_ce(p, p) is the entropy")
+        if self.temperature <= 0:
+            problems.append("temperature > 0")
+        if problems:
+            raise ValueError(f"invalid distill case: {'; '.join(problems)}")
+
+    @property
+    def grad_on(self) -> bool:
+        """The student's logits require grad and autograd is on."""
+        return self.requires_grad and self.autograd
+
+    @property
+    def teacher_grad_on(self) -> bool:
+        return self.teacher_grad and self.autograd
+
+    @property
+    def expects_entropy_grad(self) -> bool:
+        return False
+
+    @property
+    def has_backward(self) -> bool:
+        """The upstream loss reaches the student's (or a differentiable teacher's) logits."""
+        return (self.grad_on or self.teacher_grad_on) and self.function != "topk"
+
+    @property
+    def width(self) -> int:
+        """The top-k outputs' and gathered ids' columns: min(k, V)."""
+        return min(self.k, self.vocab)
+
+    @property
+    def support_from_logits(self) -> bool:
+        """A divergence over a top-k of the teacher's logits that the routine takes itself."""
+        return self.function == "divergence" and self.teacher == "topk"
+
+    def group(self) -> str:
+        dp = f"-dp{self.dp}" if self.dp > 1 else ""
+        what = self.function if self.function != "divergence" else f"{self.kind}-{self.teacher}"
+        return f"{self.level}-tp{self.tp}{dp}-{what}"
+
+    def inputs(self) -> DistillInputs:
+        g = _generator(self.seed)
+        T, V = self.T, self.vocab
+        dtype = DTYPES[self.dtype]
+        s = torch.randn(T, V, generator=g, dtype=torch.float64) * _DISTILL_SCALE
+        t = torch.randn(T, V, generator=g, dtype=torch.float64) * _DISTILL_SCALE
+        if self.regime == "peaked":
+            rows = torch.arange(T)
+            s[rows, torch.randint(0, max(V, 1), (T,), generator=g)] += 12.0
+            t[rows, torch.randint(0, max(V, 1), (T,), generator=g)] += 12.0
+        elif self.regime == "ties":  # ties within and across shards, and at the k-th place
+            s = torch.randint(0, 3, (T, V), generator=g).to(torch.float64)
+            t = torch.randint(0, 3, (T, V), generator=g).to(torch.float64)
+        elif self.regime == "disjoint":  # the teacher's top-k is the student's bottom-k
+            t = -s + 0.1 * t / _DISTILL_SCALE
+        # The first and last id of every shard, for every TP layout of this vocab (as KernelCase's
+        # tokens): a row's top entry sits on a shard edge, where an index off by a shard shows.
+        edges = sorted({i for n in (1, 2, 4, 8) if V % n == 0 for r in range(n)
+                        for i in (r * (V // n), (r + 1) * (V // n) - 1)})
+        if self.regime != "ties":
+            for row in range(min(T, len(edges))):
+                s[row, edges[row]] = s[row].max() + _DISTILL_EDGE
+                t[row, edges[-1 - row]] = t[row].max() + _DISTILL_EDGE
+        if self.regime == "neginf" and T:
+            # A masked vocabulary, the same entries -inf in both: the padded tail (its last quarter, as
+            # a vocabulary padded to a multiple of the TP size ends in whole shards at TP 4) and 30% of
+            # the rest; each row keeps a finite entry, and its planted edges.
+            masked = torch.rand(T, V, generator=g) < 0.3
+            masked[torch.arange(T), torch.randint(0, V - V // 4, (T,), generator=g)] = False
+            for row in range(min(T, len(edges))):
+                masked[row, [edges[row], edges[-1 - row]]] = False
+            masked[:, V - V // 4:] = True
+            s, t = s.masked_fill(masked, -math.inf), t.masked_fill(masked, -math.inf)
+        if self.support_from_logits and self.width < V and T:
+            # The routine picks the support: no tie at the k-th place (docs/contract.md) in the values it
+            # gets (rounded to the dtype, where distinct values can meet), ties inside the support kept.
+            rounded = t.to(dtype).to(torch.float64)
+            order = torch.sort(rounded, dim=-1, descending=True, stable=True).indices
+            kth = rounded.gather(-1, order[:, self.width - 1:self.width + 1])
+            tied = (kth[:, 0] == kth[:, 1]) & torch.isfinite(kth[:, 0])
+            t[tied] = t[tied].scatter_add(-1, order[tied, :self.width], torch.ones(int(tied.sum()), self.width,
+                                                                                  dtype=torch.float64))
+        if self.self_teacher:
+            s = t.clone()
+        student, teacher = s.to(dtype), t.to(dtype)
+        # The teacher pass's output at temperature 1: one top-k, its float32 log-probs.
+        z = teacher.to(torch.float64)
+        ids = torch.sort(z, dim=-1, descending=True, stable=True).indices[:, :self.width]
+        lp = z.log_softmax(dim=-1).gather(-1, ids).to(torch.float32)
+        if self.function == "log_softmax":
+            w = torch.randn(T, V, generator=g).masked_fill(~torch.isfinite(student), 0.0)
+        elif self.function in ("gather", "topk"):
+            w = torch.randn(T, self.width, generator=g).masked_fill(~torch.isfinite(student.gather(-1, ids)), 0.0)
+        else:
+            w = torch.randn(T, generator=g)
+        return DistillInputs(student, teacher, lp, ids, w)
+
+
 # Case fields that are left out of a spec at their default value (see `spec`).
 _LATER_FIELDS = frozenset({"dp", "layout", "token_layout", "context", "batch_of", "row_start", "repeat", "cp",
                            "cp_layout", "frozen", "hidden_view"})
 
-CASE_TYPES: dict[str, type] = {"kernel": KernelCase, "wrapper": WrapperCase, "linear": LinearCase}
-Case = KernelCase | WrapperCase | LinearCase
+CASE_TYPES: dict[str, type] = {"kernel": KernelCase, "wrapper": WrapperCase, "linear": LinearCase,
+                               "distill": DistillCase}
+Case = KernelCase | WrapperCase | LinearCase | DistillCase
 
 
 def fmt_field(value: Any) -> str:

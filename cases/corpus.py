@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.cases.case import Case, KernelCase, LinearCase, WrapperCase
+from harness.cases.case import Case, DistillCase, KernelCase, LinearCase, WrapperCase
 
 
 @dataclass(frozen=True)
@@ -15,6 +15,11 @@ class Regression:
     history: str
     check: str
     case: Case
+
+
+def _d(**kw) -> DistillCase:
+    base = dict(tp=2, T=6, v_local=5, seed=45)
+    return DistillCase(**{**base, **kw})
 
 
 def _w(**kw) -> WrapperCase:
@@ -48,6 +53,12 @@ CORPUS: tuple[Regression, ...] = (
                "values", KernelCase(tp=2, T=8, v_local=13, regime="peaked", seed=2656)),
     Regression("wrapper-chunk-size", "NeMo-RL #2871/#2872: the chunk size was ignored on the training path",
                "memory-chunk-passthrough", _w(v_local=64, chunk_size=2, entropy_coef=0.01)),
+    Regression("chunked-grad-float32-buffer", "NeMo-RL #2871/#2872: a chunked backward zeroed a float32 gradient "
+               "buffer of the whole bf16 logits", "memory-logits-dtype",
+               KernelCase(tp=2, T=16, v_local=64, dtype="bf16", chunk_size=4, with_entropy=False, seed=2872)),
+    Regression("wrapper-logits-float32", "NeMo-RL #2871/#2872: the caller cast the whole bf16 logits to float32 in "
+               "front of the chunked kernel", "memory-logits-dtype",
+               _w(v_local=64, chunk_size=2, entropy_coef=0.01, dtype="bf16")),
     Regression("metric-only-memory", "slime #2144/#2153: a metric-only entropy must not pay for an entropy "
                "gradient's [T, V_local] buffers", "memory-metric-only",
                KernelCase(tp=2, T=8, v_local=64, dtype="bf16", mask="random", with_entropy_grad=False, seed=2144)),
@@ -164,4 +175,46 @@ CORPUS: tuple[Regression, ...] = (
                "memory-budget measured in units of T*V_local", "memory-budget",
                WrapperCase(tp=4, v_local=8, total_lengths=(8,), response_lengths=(5,), chunk_size=-1, with_entropy=False,
                            top_p="nucleus", seed=6)),
+    # The distillation level (docs/distill.md): the failure modes of vocab-parallel softmaxes, top-k
+    # and gathers at global ids, each as the case that shows it.
+    Regression("distill-topk-shard-edge", "distillation: a row's top entry on the first or last id of a shard, "
+               "where a top-k's global id is one off or one shard off", "values",
+               _d(function="topk", k=3, requires_grad=False, chunk_size=4)),
+    Regression("distill-topk-ties-across-shards", "distillation: equal logits on several shards at and inside the "
+               "k-th place: any top-k is right, but every rank must return the same one", "values",
+               _d(tp=4, T=5, v_local=4, function="topk", k=3, regime="ties", requires_grad=False)),
+    Regression("distill-topk-k-beyond-shard", "distillation: k larger than a shard's V_local (a local "
+               "torch.topk(k) raises; min(k, V_local) candidates per rank are enough)", "crash",
+               _d(T=4, v_local=3, function="topk", k=5, requires_grad=False)),
+    Regression("distill-gather-global-ids", "distillation: the student's log-probs at a teacher's global ids on "
+               "every shard: the owner's value, everywhere, and its gradient on the owner only", "gradients",
+               _d(tp=4, v_local=4, function="gather", k=6)),
+    Regression("distill-log-softmax-shard-gradient", "distillation: a sharded log-softmax whose normaliser is "
+               "all-reduced where autograd does not see it: at TP > 1 each shard's gradient misses the "
+               "others' share", "gradients", _d(function="log_softmax", temperature=0.7)),
+    Regression("distill-disjoint-topk", "distillation: teacher and student with disjoint top-k: the student's "
+               "log-probs on the teacher's support are far down its tail", "values",
+               _d(teacher="given", k=3, regime="disjoint", dtype="bf16")),
+    Regression("distill-masked-vocab", "distillation: -inf logits (a masked vocabulary) in student and teacher, "
+               "the padded tail a whole shard at TP 4: 0 log 0 terms are 0, not NaN, and a shard without a finite "
+               "logit still joins every collective", "finite",
+               _d(tp=4, v_local=4, kind="jsd", beta=0.3, regime="neginf", teacher_grad=True)),
+    Regression("distill-topk-support-ties", "distillation: the teacher's top-k taken inside the routine, with "
+               "ties inside it across shards: the ranks must agree on the support's order", "values",
+               _d(tp=4, v_local=4, kind="soft_ce", teacher="topk", k=4, regime="ties")),
+    Regression("distill-unnormalized-topk-kl", "distillation: forward KL on a teacher pass's top-k log-probs, "
+               "neither side renormalized (verl's top-k KL)", "gradients",
+               _d(teacher="given", k=4, renormalize=False, chunk_size=4)),
+    Regression("distill-self-divergence", "distillation: KL(p, p) = 0 at a temperature, over the whole vocabulary",
+               "divergence-self-zero", _d(kind="reverse_kl", temperature=2.0, self_teacher=True)),
+    Regression("distill-no-grad-metric", "distillation: the divergence as a metric under torch.no_grad() (a "
+               "validation pass) equals the training path's bit for bit", "inference-path",
+               _d(kind="jsd", teacher="given", k=4, context="no_grad")),
+    Regression("distill-empty-batch", "distillation: T == 0 (a rank without response tokens)", "empty-input",
+               _d(tp=4, T=0, v_local=4, kind="jsd")),
+    Regression("distill-no-vocab-gather", "distillation: a routine that all-gathers the vocabulary to call "
+               "torch.log_softmax holds T x V floats per rank", "memory-no-vocab-gather",
+               _d(T=8, v_local=64, kind="mixed", beta=0.5)),
+    Regression("distill-tp-group-not-world", "distillation in a world of DP x TP ranks: a reduction over the "
+               "default group mixes replicas", "values", _d(kind="reverse_kl", dp=2, seed=4545)),
 )

@@ -29,6 +29,8 @@ class Profile:
     extra_tp: tuple[int, ...] = ()
     extra_tp_share: float = 1.0  # of the per-size counts, for each extra TP size
     linear_cases: int = 0  # randomized fused-linear cases per TP size (docs/fused-linear.md)
+    distill_cases: int = 0  # randomized distillation cases per TP size (docs/distill.md)
+    dp_distill_cases: int = 0
     # Context parallelism (docs/context-parallel.md): wrapper cases in TP x CP worlds, per CP size and
     # TP size (the TP sizes among those asked for, or the smallest asked for); both CP layouts drawn.
     cp_sizes: tuple[int, ...] = ()
@@ -37,13 +39,14 @@ class Profile:
 
 
 PROFILES = {
-    "smoke": Profile("smoke", kernel_cases=12, wrapper_cases=5, linear_cases=4,
+    "smoke": Profile("smoke", kernel_cases=12, wrapper_cases=5, linear_cases=4, distill_cases=6,
                      cp_wrapper_cases=2),  # CP only when asked for (--cp)
     "ci": Profile("ci", kernel_cases=150, wrapper_cases=40, dp_tp=(2,), dp_kernel_cases=24, dp_wrapper_cases=6,
-                  linear_cases=30, cp_sizes=(2,), cp_wrapper_cases=8),
+                  linear_cases=30, cp_sizes=(2,), cp_wrapper_cases=8, distill_cases=40, dp_distill_cases=4),
     # Sized to finish in under 15 minutes on 2 cores (docs/performance.md has the case counts).
     "thorough": Profile("thorough", kernel_cases=1200, wrapper_cases=400, dp_tp=(2, 4), dp_kernel_cases=300,
-                        dp_wrapper_cases=80, extra_tp=(3, 8), extra_tp_share=0.25, linear_cases=300, cp_sizes=(2, 4), cp_wrapper_cases=60),
+                        dp_wrapper_cases=80, extra_tp=(3, 8), extra_tp_share=0.25, linear_cases=300, cp_sizes=(2, 4), cp_wrapper_cases=60,
+                        distill_cases=400, dp_distill_cases=60),
 }
 DEFAULT_PROFILE = "ci"
 

@@ -10,6 +10,10 @@ from hypothesis import strategies as st
 from harness.cases.case import (
     CONTEXTS,
     CP_LAYOUTS,
+    DISTILL_CONTEXTS,
+    DISTILL_FUNCTIONS,
+    DISTILL_REGIMES,
+    DIVERGENCES,
     DRIFT,
     FROZEN,
     HIDDEN_VIEWS,
@@ -19,8 +23,10 @@ from harness.cases.case import (
     LOSS_TERMS,
     MASKS,
     REGIMES,
+    TEACHERS,
     TOKEN_LAYOUTS,
     TOP_P,
+    DistillCase,
     KernelCase,
     LinearCase,
     WrapperCase,
@@ -30,6 +36,7 @@ TP_SIZES = (1, 2, 4)
 SEEDS = st.integers(0, 2**31 - 1)
 COEFS = (None, 0.0, -0.0, 1e-8, -0.01, 0.5, 1e3)  # absent, zero, signed zero, tiny, negative, large
 TEMPERATURES = (None, 1.0, 0.7, 1.3)
+WRAPPER_DTYPES = ("fp32", "bf16", "fp16")
 
 
 def _chunk(draw, rows: int) -> int:
@@ -123,7 +130,7 @@ def wrapper_cases(draw, tp=st.sampled_from(TP_SIZES), top_p: bool | None = None,
     top_p_options = TOP_P if top_p is None else (TOP_P[1:] if top_p else TOP_P[:1])
     if not keep_mask:
         top_p_options = TOP_P[:1]
-    return WrapperCase(
+    case = WrapperCase(
         tp=draw(tp), v_local=draw(st.one_of(st.sampled_from((4, 1, 3, 7)), st.integers(1, 16))),
         total_lengths=totals, response_lengths=responses,
         entropy_coef=draw(st.sampled_from(COEFS)),
@@ -137,6 +144,13 @@ def wrapper_cases(draw, tp=st.sampled_from(TP_SIZES), top_p: bool | None = None,
         **_how_called(draw),
         **_context_parallel(draw, cp),
     )
+    # The logits' dtype, for a wrapper that takes bf16 or fp16 (`cases.capabilities`), at temperature 1
+    # only (a division in the logits' dtype rounds the kernel's input at that dtype's scale, which no
+    # float32-scale bound covers): read off the seed, not drawn, so every draw and every case of a
+    # float32-only wrapper stays as it is; the seed shrinks to 0, float32.
+    if case.temperature not in (None, 1.0):
+        return case
+    return case.replace(dtype=WRAPPER_DTYPES[case.seed % len(WRAPPER_DTYPES)])
 
 
 def _context_parallel(draw, cp: st.SearchStrategy) -> dict:
@@ -178,4 +192,41 @@ def linear_cases(draw, tp=st.sampled_from(TP_SIZES), dtype=st.sampled_from(("fp3
     return case.replace(hidden_view=draw(_mostly_first(HIDDEN_VIEWS)))
 
 
-LEVEL_STRATEGIES = {"kernel": kernel_cases, "wrapper": wrapper_cases, "linear": linear_cases}
+@st.composite
+def distill_cases(draw, tp=st.sampled_from(TP_SIZES), dtype=st.sampled_from(("fp32", "bf16", "fp16")),
+                  entropy: bool = True, keep_mask: bool = True, dp=st.just(1)) -> DistillCase:
+    """Distillation cases (docs/distill.md): T 0-16, V_local 1-32, each function (the divergence about
+    half the time), every divergence and teacher, k from 1 to beyond V_local, renormalized or not,
+    a temperature about one case in three, every regime (ties within and across shards, a masked
+    vocabulary, disjoint top-k), a differentiable teacher, the teacher equal to the student, strided
+    student logits and calls under no_grad now and then. `entropy` and `keep_mask` are the other
+    levels' knobs: this level has neither."""
+    T = draw(st.one_of(st.sampled_from((1, 2, 3, 5, 7, 0)), st.integers(0, 16)))
+    v_local = draw(st.one_of(st.sampled_from((4, 1, 2, 3, 5, 7, 13)), st.integers(1, 32)))
+    function = draw(st.one_of(st.just(DISTILL_FUNCTIONS[0]), st.sampled_from(DISTILL_FUNCTIONS)))
+    teacher = draw(st.sampled_from(TEACHERS))
+    kind = draw(st.sampled_from(DIVERGENCES))
+    k = draw(st.sampled_from((1, 2, 4, 7, v_local, v_local + 1, 2 * v_local + 1)))
+    renormalize = draw(st.booleans())
+    temperature = draw(st.sampled_from((1.0, 1.0, 0.7, 2.0)))
+    if teacher == "given" and not renormalize:
+        temperature = 1.0
+    divergence = function == "divergence"
+    case = DistillCase(
+        tp=draw(tp), T=T, v_local=v_local, function=function,
+        kind=kind if divergence else DIVERGENCES[0], teacher=teacher if divergence else TEACHERS[0],
+        k=k, beta=draw(st.sampled_from((0.5, 0.1, 0.9))), renormalize=renormalize, temperature=temperature,
+        dtype=draw(dtype), regime=draw(st.sampled_from(DISTILL_REGIMES)), chunk_size=_chunk(draw, T),
+        requires_grad=function != "topk", seed=draw(SEEDS), dp=draw(dp),
+    )
+    # Drawn last, so the draws above are unchanged: a differentiable teacher, the teacher equal to
+    # the student, the student's logits as a view, a call without autograd.
+    teacher_grad = divergence and teacher != "given" and draw(st.integers(0, 3)) == 0
+    self_teacher = divergence and kind != "soft_ce" and draw(st.integers(0, 5)) == 0
+    return case.replace(teacher_grad=teacher_grad, self_teacher=self_teacher, layout=draw(_mostly_first(LAYOUTS)),
+                        context=draw(st.one_of(st.just(DISTILL_CONTEXTS[0]), st.just(DISTILL_CONTEXTS[0]),
+                                               st.sampled_from(DISTILL_CONTEXTS))))
+
+
+LEVEL_STRATEGIES = {"kernel": kernel_cases, "wrapper": wrapper_cases, "linear": linear_cases,
+                    "distill": distill_cases}

@@ -1,5 +1,6 @@
 """Float64 reference oracle for fused tensor-parallel log-prob/entropy routines (docs/contract.md)."""
 
+from . import distill
 from .kernel import effective_keep_mask, entropy, log_probs, logits_grad
 from .linear import linear_entropy, linear_grads, linear_log_probs, linear_logits
 from .wrapper import (
@@ -30,4 +31,5 @@ __all__ = [
     "linear_log_probs",
     "linear_entropy",
     "linear_grads",
+    "distill",
 ]

@@ -79,28 +79,28 @@ def test_partial_top_p_draws_every_encoding_slime_receives():
     assert seen >= {"list", "Tensor", "short", "full", "empty", "none recorded"}
 
 
-@settings(max_examples=300, derandomize=True)
-@given(kernel_cases())
-def test_kernel_strategy_covers_the_corners(case):
-    _seen.setdefault("T", set()).add(case.T)
-    _seen.setdefault("v", set()).add(case.v_local)
-    _seen.setdefault("chunk", set()).add("whole" if case.chunk_size < 0 else "over" if case.chunk_size > case.T
-                                          else "one" if case.chunk_size == 1 else "part")
-    for field in ("dtype", "regime", "mask", "tp"):
-        _seen.setdefault(field, set()).add(getattr(case, field))
+def test_the_kernel_strategy_covers_the_corners():
+    """Over 300 derandomized draws: T 0, 1 and primes; V_local 1 and primes; chunk sizes whole, over
+    T, one row and part of T; every dtype, regime, mask kind and TP size."""
+    seen: dict[str, set] = {}
 
+    @settings(max_examples=300, derandomize=True)
+    @given(kernel_cases())
+    def draw(case):
+        seen.setdefault("T", set()).add(case.T)
+        seen.setdefault("v", set()).add(case.v_local)
+        seen.setdefault("chunk", set()).add("whole" if case.chunk_size < 0 else "over" if case.chunk_size > case.T
+                                            else "one" if case.chunk_size == 1 else "part")
+        for field in ("dtype", "regime", "mask", "tp"):
+            seen.setdefault(field, set()).add(getattr(case, field))
 
-_seen: dict[str, set] = {}
-
-
-def test_corners_were_drawn():
-    test_kernel_strategy_covers_the_corners()
-    assert {0, 1} <= _seen["T"] and _seen["T"] & {5, 7, 11, 13}
-    assert 1 in _seen["v"] and _seen["v"] & {3, 5, 7, 13}
-    assert _seen["chunk"] == {"whole", "over", "one", "part"}
-    assert _seen["dtype"] == {"fp32", "bf16", "fp16"} and _seen["tp"] == {1, 2, 4}
-    assert _seen["regime"] == {"normal", "peaked", "huge", "ties", "neginf"}
-    assert _seen["mask"] == {"none", "random", "drop_target", "only_target"}
+    draw()
+    assert {0, 1} <= seen["T"] and seen["T"] & {5, 7, 11, 13}
+    assert 1 in seen["v"] and seen["v"] & {3, 5, 7, 13}
+    assert seen["chunk"] == {"whole", "over", "one", "part"}
+    assert seen["dtype"] == {"fp32", "bf16", "fp16"} and seen["tp"] == {1, 2, 4}
+    assert seen["regime"] == {"normal", "peaked", "huge", "ties", "neginf"}
+    assert seen["mask"] == {"none", "random", "drop_target", "only_target"}
 
 
 def test_corpus_entries_name_registered_checks_and_are_unique():
@@ -115,3 +115,22 @@ def test_corpus_runs_clean_on_the_builtin(harness_runner):
     from harness.driver.explorer import run_corpus
 
     assert run_corpus(harness_runner, [1, 2, 4]) == []
+
+
+def test_half_precision_wrapper_logits_are_drawn_without_temperature_and_float32_specs_stay():
+    """bf16 and fp16 wrapper logits, for a wrapper that takes them, at temperature 1 only: a division in
+    the logits' dtype rounds the kernel's input beyond float32 scale."""
+    dtypes: set[str] = set()
+
+    @settings(max_examples=200, derandomize=True)
+    @given(wrapper_cases())
+    def draw(case):
+        assert case.dtype == "fp32" or case.temperature in (None, 1.0)
+        assert case.inputs().logits.dtype == {"fp32": torch.float32, "bf16": torch.bfloat16,
+                                              "fp16": torch.float16}[case.dtype]
+        dtypes.add(case.dtype)
+
+    draw()
+    assert dtypes == {"fp32", "bf16", "fp16"}
+    case = WrapperCase(tp=2, v_local=3, total_lengths=(3,), response_lengths=(1,))
+    assert "dtype" not in case.spec() and parse_case(case.replace(dtype="bf16").spec()).dtype == "bf16"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from harness import cli
 from harness.cases.case import KernelCase
 from harness.checks import Evidence
 from harness.checks.findings import Finding
+from harness.driver import cpu_share
 from harness.driver.cpu_share import SAMPLE_EVERY_S, CpuShare
 from harness.driver.limits import EVERY_CASE_AFTER, RunLimits
 from harness.driver.pool import CASE_FLOOR_S, MIN_MEASURED, WorkerPool
@@ -77,20 +79,37 @@ def test_every_rank_blocked_is_stuck_too(harness_pools):
         pool.close()
 
 
-def _classified(*procs_per_core: int) -> CpuShare:
-    """The CpuShare of one watched process, sampled for 1.2 s: `procs_per_core[0]` is the watched
-    one's kind (0 sleeps, 1 spins), the rest are neighbours spinning on the same core."""
-    spin, sleep = "while True: pass", "import time; time.sleep(60)"
-    procs = [subprocess.Popen([sys.executable, "-c", spin if kind else sleep]) for kind in procs_per_core]
+def _waited_s(pid: int) -> float:
+    """Seconds the threads of `pid` have spent runnable without a CPU (Linux's schedstat)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/schedstat") as fh:
+            total += int(fh.read().split()[1])
+    return total / 1e9
+
+
+def _classified(*procs_per_core: int, until: float = 0.0) -> tuple[CpuShare, float]:
+    """The CpuShare of one watched process, sampled for 1.2 s once every process has started (or, with
+    `until`, until it has that many starved seconds, for at most 20 s), and the seconds the watched
+    one actually waited for a CPU meanwhile: `procs_per_core[0]` is the watched one's kind (0 sleeps,
+    1 spins), the rest are neighbours spinning on the same core."""
+    spin, sleep = "print(flush=True)\nwhile True: pass", "import time; print(flush=True); time.sleep(60)"
+    procs = [subprocess.Popen([sys.executable, "-c", spin if kind else sleep], stdout=subprocess.PIPE)
+             for kind in procs_per_core]
     try:
         for p in procs:
             os.sched_setaffinity(p.pid, {min(os.sched_getaffinity(0))})
-        share = CpuShare([procs[0].pid], time.monotonic())
-        end = time.monotonic() + 1.2
-        while time.monotonic() < end:
+        for p in procs:  # its interpreter's start is work of its own, not the kind under test
+            assert p.stdout is not None and select.select([p.stdout], [], [], 60)[0], "a process did not start"
+            p.stdout.readline()
+        waited = _waited_s(procs[0].pid)
+        share = CpuShare([procs[0].pid], time.monotonic() - SAMPLE_EVERY_S)
+        share.sample([0], time.monotonic())  # the first sight, from which the window counts
+        end = time.monotonic() + (20 if until else 1.2)
+        while time.monotonic() < end and not (until and share.starved_s > until):
             time.sleep(SAMPLE_EVERY_S / 2)
             share.sample([0], time.monotonic())
-        return share
+        return share, _waited_s(procs[0].pid) - waited
     finally:
         for p in procs:
             p.kill()
@@ -100,13 +119,43 @@ def _classified(*procs_per_core: int) -> CpuShare:
 def test_a_rank_starved_of_a_cpu_is_not_still_and_gets_more_time():
     """Stuck verdicts count only quiet time: a rank idle with no thread waiting for a CPU. One that
     works, or waits in the run queue behind CPU-bound neighbours (a loaded CI runner), is not
-    still, and the time it waited moves its deadline on."""
-    idle = _classified(0)
+    still, and the time it waited, no more, moves its deadline on. Real processes: on a loaded
+    machine a lone spinner waits for a CPU too, and gets that time; and Linux counts a wait only
+    once it ends, so under load the starved one is sampled until its waits have been counted."""
+    idle, _ = _classified(0)
     assert idle.quiet_s > 0.6 and idle.starved_s == 0
-    working = _classified(1)
-    assert working.quiet_s == 0 and working.starved_s == 0
-    starved = _classified(1, 1, 1)  # three spinning on one core: each waits about two thirds of the time
-    assert starved.quiet_s == 0 and starved.starved_s > 0.4
+    working, waited = _classified(1)
+    assert working.quiet_s == 0 and working.starved_s <= waited + 1e-6
+    starved, waited = _classified(1, 1, 1, until=0.4)  # three spinning on one core: each waits two thirds of the time
+    assert starved.quiet_s == 0 and 0.4 < starved.starved_s <= waited + 1e-6
+
+
+def test_quiet_working_and_starved_time_are_told_apart_by_the_threads_schedstat(monkeypatch):
+    """Each interval is judged by what the rank's threads did in it (schedstat given here, so no load
+    can change the verdicts): idle, quiet; working, nothing; waiting for a CPU, the time waited; a
+    thread runnable at the sample, whose wait so far Linux has not counted yet, is not quiet."""
+    threads = {1: (0, 0, False), 2: (0, 0, False)}  # thread -> (ns run, ns waited for a CPU, runnable now)
+    monkeypatch.setattr(cpu_share, "_threads", lambda pid: dict(threads))
+    share, now = CpuShare([4242], 0.0), 0.0
+
+    def interval(run: tuple[float, float], wait: tuple[float, float], runnable: bool = False) -> tuple[float, float]:
+        nonlocal now
+        now += 1.0
+        for t, (ran, waited, _) in threads.items():
+            threads[t] = (ran + int(run[t - 1] * 1e9), waited + int(wait[t - 1] * 1e9), runnable and t == 1)
+        share.sample([0], now)
+        return share.quiet_s, share.starved_s
+
+    assert interval((0.0, 0.0), (0.0, 0.0)) == (0, 0)  # the first sight of the rank: nothing to compare yet
+    assert interval((0.02, 0.03), (0.01, 0.0)) == (1.0, 0)  # blocked in a collective: its gloo loops barely run
+    assert interval((0.5, 0.45), (0.05, 0.0)) == (1.0, 0)  # working on a core of its own
+    assert interval((0.3, 0.0), (0.6, 0.2)) == pytest.approx((1.0, 0.6))  # a third of the time working, the rest waiting
+    assert interval((0.01, 0.0), (0.4, 0.0)) == pytest.approx((1.0, 1.0))  # one thread runnable without a CPU
+    assert interval((0.0, 0.0), (0.0, 0.0), runnable=True) == pytest.approx((1.0, 1.0))  # waiting all along
+    assert interval((0.01, 0.0), (0.0, 0.0)) == pytest.approx((2.0, 1.0))
+    monkeypatch.setattr(cpu_share, "_threads", lambda pid: {})  # no schedstat: the wall clock decides
+    share.sample([0], now + 1.0)
+    assert share.quiet_s == 2.0 + 1.0
 
 
 def test_case_deadline_scales_with_the_measured_cost():
@@ -142,9 +191,15 @@ def test_rank_stuck_outside_any_collective_is_found_by_its_stack():
         pool.close()
 
 
-def test_a_rank_working_with_an_unchanging_stack_is_not_a_hang():
+def _probe_from_1s(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stacks probed from a job's first second on, not its fifth: the same verdicts, seconds sooner."""
+    monkeypatch.setattr(stacks, "PROBE_FLOOR_S", 1.0)
+
+
+def test_a_rank_working_with_an_unchanging_stack_is_not_a_hang(monkeypatch):
     """A rank whose stack stays the same while it uses the CPU (a long C call, a loop on one line:
     the perf gate's timing loop was one) is working: it gets the deadline, not a stuck verdict."""
+    _probe_from_1s(monkeypatch)
     pool = WorkerPool(1, collective_timeout_s=60)
     try:
         seconds = stacks.PROBE_FLOOR_S + (stacks.STILL_SAMPLES + 2) * stacks.PROBE_EVERY_S
@@ -153,10 +208,11 @@ def test_a_rank_working_with_an_unchanging_stack_is_not_a_hang():
         pool.close()
 
 
-def test_a_slow_import_is_not_a_hang(tmp_path):
+def test_a_slow_import_is_not_a_hang(monkeypatch, tmp_path):
     """A call importing (or compiling) past its job's deadline is not hung: its import frames move the
     deadline on while they last (TRL's transformers import; a compile for a new dtype under load)."""
-    (tmp_path / "harness_slow_module.py").write_text("import time\ntime.sleep(9)\n")
+    _probe_from_1s(monkeypatch)
+    (tmp_path / "harness_slow_module.py").write_text("import time\ntime.sleep(4.5)\n")
     pool = WorkerPool(1, collective_timeout_s=60)
     try:
         deadline = stacks.PROBE_FLOOR_S + 2 * stacks.PROBE_EVERY_S  # the stack is sampled before it passes
@@ -168,7 +224,7 @@ def test_a_slow_import_is_not_a_hang(tmp_path):
 def test_a_rank_still_importing_after_another_raised_gets_to_finish(tmp_path):
     """The short grace after a rank raises is for ranks left waiting in a collective; a rank still
     importing or compiling is in none, and finishes (its own verdict, not a hang)."""
-    (tmp_path / "harness_slow_module.py").write_text("import time\ntime.sleep(6)\n")
+    (tmp_path / "harness_slow_module.py").write_text("import time\ntime.sleep(3.5)\n")  # past the grace
     pool = WorkerPool(2, collective_timeout_s=60)
     try:
         raised, imported = pool.run("tests.pool_jobs:raise_while_another_imports", str(tmp_path), deadline_s=60)
@@ -177,9 +233,10 @@ def test_a_rank_still_importing_after_another_raised_gets_to_finish(tmp_path):
         pool.close()
 
 
-def test_an_import_still_running_at_the_case_timeout_says_so(tmp_path):
+def test_an_import_still_running_at_the_case_timeout_says_so(monkeypatch, tmp_path):
     """The deadline moves on only up to the case timeout; a rank still importing there is reported as
     such, not as a rank stuck in the routine's code."""
+    _probe_from_1s(monkeypatch)
     (tmp_path / "harness_slow_module.py").write_text("import time\ntime.sleep(30)\n")
     timeout = stacks.PROBE_FLOOR_S + 2 * stacks.PROBE_EVERY_S
     pool = WorkerPool(1, collective_timeout_s=60, case_timeout_s=timeout)

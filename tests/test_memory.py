@@ -3,7 +3,9 @@ defects are caught where they cost memory and only there, correct routines of th
 no memory finding, and the built-in routine keeps its declared budget."""
 from __future__ import annotations
 
+import math
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -204,7 +206,7 @@ def _findings(runner: Runner, case) -> dict[str, str]:
 
 
 MUTANTS = ("metric-only-entropy-retained", "metric-only-graph-detached", "ctx-outlives-backward",
-           "forward-buffers-kept", "chunk-size-ignored")
+           "forward-buffers-kept", "chunk-size-ignored", "chunked-grad-buffer-float32", "wrapper-logits-float32")
 
 
 def test_memory_mutants_are_in_the_catalog():
@@ -264,6 +266,70 @@ def test_ignored_chunk_size_caught(harness_pools, tp):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("tp", [1, 2])
+def test_float32_copies_of_half_precision_logits_caught(harness_pools, tp):
+    """NeMo-RL #2872's two defects, each where it costs: a chunked backward's float32 gradient buffer
+    of the whole bf16 logits, and the whole logits cast to float32 in front of the chunked kernel
+    (in the forward when nothing saves the copy, in the backward always: the kernel then returns its
+    gradient in float32). With float32 logits neither costs anything, and the check does not apply."""
+    kernel = KernelCase(tp=tp, T=16, v_local=64, dtype="bf16", chunk_size=4, with_entropy=False, seed=2872)
+    wrapper = WrapperCase(tp=tp, v_local=64, total_lengths=(6, 4), response_lengths=(3, 2), chunk_size=2,
+                          entropy_coef=0.01, dtype="bf16", seed=2153)
+    clean = Runner("harness.targets.fused", pools=harness_pools)
+    assert not _findings(clean, kernel) and not _findings(clean, wrapper)
+    buffer = Runner("mutant:chunked-grad-buffer-float32", pools=harness_pools)
+    found = _findings(buffer, kernel).get("memory-logits-dtype", "")
+    assert "the backward's peak" in found and "float32[16, 64] 4,096 B (alive, from empty)" in found, found
+    cast = Runner("mutant:wrapper-logits-float32", pools=harness_pools)
+    assert "the backward's peak" in _findings(cast, wrapper).get("memory-logits-dtype", "")
+    found = _findings(cast, wrapper.replace(context="no_grad")).get("memory-logits-dtype", "")
+    assert "the forward's peak" in found and "float32[1, 10, 64] 2,560 B (alive, from _to_copy)" in found, found
+    check = all_checks()["memory-logits-dtype"]
+    for runner, case in ((buffer, kernel.replace(dtype="fp32")), (cast, wrapper.replace(dtype="fp32"))):
+        assert not check.applicable(case, runner.target) and not _findings(runner, case)
+
+
+def _figures(*tensors: tuple, peak_backward: tuple = (), retained: tuple = ()) -> dict:
+    """One rank's memory figures, by hand: (shape, dtype, how, op) per listed tensor."""
+    size = {"float32": 4, "bfloat16": 2, "int64": 8}
+    describe = lambda ts: [{"shape": list(s), "dtype": d, "bytes": size[d] * math.prod(s), "how": h, "op": o}  # noqa: E731
+                           for s, d, h, o in ts]
+    return {"peak_forward": 1, "peak_forward_tensors": describe(tensors), "retained_tensors": describe(retained),
+            "peak_backward": 1 if peak_backward else None, "peak_backward_tensors": describe(peak_backward)}
+
+
+def _judge(case, figures: dict) -> list[str]:
+    rank = SimpleNamespace(name="rank 0", obs=SimpleNamespace(memory=figures))
+    return memory_checks.logits_dtype(SimpleNamespace(case=case, ranks=[rank]))  # type: ignore[arg-type]
+
+
+def test_what_memory_logits_dtype_judges():
+    """By hand: only float32 copies of the whole logits that the forward frees, and whole float32
+    buffers that the backward allocates, in a routine seen to work in chunks."""
+    case = KernelCase(tp=2, T=16, v_local=64, dtype="bf16", chunk_size=4)
+    chunk = ((4, 64), "float32", "alive", "_to_copy")
+    copy = ((16, 64), "float32", "alive", "_to_copy")
+    saved = ((16, 64), "float32", "saved", "empty")
+    assert "float32[16, 64] 4,096 B (alive, from _to_copy)" in _judge(case, _figures(copy, chunk))[0]
+    assert _judge(case, _figures(copy, chunk, retained=(copy,))) == []  # kept (on ctx): the budget's
+    assert _judge(case, _figures(saved, chunk, retained=(saved,))) == []  # saved for backward
+    assert _judge(case, _figures(copy)) == []  # every row at once: not a chunked routine
+    gathered = ((4, 256), "float32", "alive", "cat")  # a chunk's rows over the full vocab: 1,024 entries
+    assert _judge(case, _figures(gathered, chunk)) == []
+    grad = ((16, 64), "float32", "alive", "zeros_like")
+    found = _judge(case, _figures(saved, chunk, retained=(saved,), peak_backward=(saved, grad)))
+    assert len(found) == 1 and "float32[16, 64] 4,096 B (alive, from zeros_like)" in found[0]
+    in_dtype = ((16, 64), "bfloat16", "alive", "empty")
+    assert _judge(case, _figures(saved, chunk, retained=(saved,), peak_backward=(saved, in_dtype, chunk))) == []
+    pieces = [((1, 64), "float32", "alive", "sub")] * 20  # each chunk's gradient kept: the whole buffer in pieces
+    assert _judge(case.replace(T=40, chunk_size=1), _figures(((1, 64), "float32", "alive", "_to_copy"),
+                                                             peak_backward=tuple(pieces))) == []  # 20 < 16 x TP 2
+    assert "chunks of [1, 64]" in _judge(case.replace(tp=1, T=40, chunk_size=1, v_local=64),
+                                         _figures(((1, 64), "float32", "alive", "_to_copy"),
+                                                  peak_backward=tuple(pieces)))[0]
+
+
+@pytest.mark.distributed
 def test_declared_budget_is_enforced(harness_pools):
     case = KernelCase(tp=1, T=16, v_local=64, seed=1)  # differentiable entropy
     found = _findings(Runner("tests.targets.naive_budget", pools=harness_pools), case)
@@ -294,6 +360,7 @@ def test_correct_designs_get_no_memory_finding(harness_pools, spec):
     applied = {name for (name, _), s in runner.verdicts.stats.items() if s.applied}
     unused = ({"memory-budget"} if spec != "harness.targets.fused" else set()) \
         | (set() if linear else {"memory-linear-retained"})  # a level the target does not provide
+    unused |= {n for n in MEMORY_CHECKS if all_checks()[n].levels == ("distill",)}  # a level this test does not draw
     assert applied >= MEMORY_CHECKS - unused
 
 

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness.base.errors import TargetError
-from harness.cases.case import KernelCase, LinearCase, WrapperCase, parse_case
+from harness.cases.case import DistillCase, KernelCase, LinearCase, WrapperCase, parse_case
 from harness.checks.findings import BEYOND_USE
 from harness.checks.findings import IN_USE as IN_USE_MARK
 from harness.checks.known import load as load_known
@@ -49,6 +49,8 @@ CLEAN += [WrapperCase(tp=tp, v_local=6, total_lengths=(5, 8), response_lengths=(
           for tp, chunk in ((1, -1), (2, 4))]
 CLEAN += [WrapperCase(tp=2, v_local=3, total_lengths=(1, 3, 8), response_lengths=(0, 0, 0), chunk_size=2,
                       regime="peaked", seed=3)]
+# And at the distillation level: a divergence from a teacher pass's top-k, fitted to what each peer takes.
+CLEAN += [DistillCase(tp=tp, T=5, v_local=6, teacher="given", k=3, seed=51 * tp) for tp in (1, 2)]
 # One case per known finding or finding beyond the peer's use (its HARNESS_USE), with the check that
 # must report it: the finding is real, shows, and is explained (known, or beyond the use).
 WITNESSES: dict[str, list[tuple[str, str]]] = {
@@ -82,6 +84,15 @@ WITNESSES: dict[str, list[tuple[str, str]]] = {
     "skyrl": [("kernel:tp=2,T=6,v_local=5,chunk_size=4,seed=14,layout=transposed", "crash"),
               ("kernel:tp=2,T=6,v_local=5,regime=neginf,seed=1", "finite"),
               ("kernel:tp=2,T=8,v_local=64,dtype=bf16,seed=21", "shapes-dtypes")],
+    "nemo_rl_distill": [("distill:tp=2,T=4,v_local=4,teacher=given,k=3,renormalize=0,seed=1", "values"),
+                        ("distill:tp=2,T=3,v_local=4,teacher=given,k=2,regime=neginf,seed=2", "finite"),
+                        ("distill:tp=1,T=0,v_local=4,function=topk,k=2,requires_grad=0", "empty-input")],
+    "ms_swift_gkd": [("distill:tp=2,T=3,v_local=4,kind=reverse_kl,seed=1", "gradients"),
+                     ("distill:tp=2,T=3,v_local=3,function=topk,k=5,requires_grad=0", "crash"),
+                     ("distill:tp=2,T=3,v_local=4,kind=jsd,regime=neginf,seed=2", "finite"),
+                     ("distill:tp=1,T=3,v_local=4,dtype=bf16,seed=3", "shapes-dtypes")],
+    "skyrl_mtp": [("distill:tp=2,T=4,v_local=6,kind=soft_ce,teacher=topk,k=2,seed=1", "values"),
+                  ("distill:tp=1,T=3,v_local=8,kind=soft_ce,regime=neginf,seed=2", "finite")],
     "trl": [("kernel:tp=2,T=6,v_local=5,regime=neginf,seed=1", "finite"),
             ("kernel:tp=1,T=4,v_local=8,dtype=bf16,seed=2", "shapes-dtypes"),
             ("kernel:tp=1,T=0,v_local=4", "empty-input")],
@@ -93,6 +104,7 @@ IN_USE: dict[str, list[tuple[str, str]]] = {
     "verl_fused_linear": [("linear:tp=1,T=1,H=8,v_local=4,with_entropy=0,with_entropy_grad=0,frozen=weight",
                            "frozen-input-work [frozen=weight]")],
 }
+
 
 def _installed(name: str):
     peer = PEERS[name]
@@ -164,7 +176,7 @@ def test_every_peer_declares_its_use_citing_its_callers() -> None:
         module = importlib.import_module(peer.spec)
         assert hasattr(module, "HARNESS_USE"), peer.name
         for entry in parse_use(peer.spec, module.HARNESS_USE):
-            assert re.search(r"[\w/.-]+\.py:\d+", entry.reason), f"{peer.name}: {entry.reason}"
+            assert re.search(r"[\w/.-]+\.\w+:\d+", entry.reason), f"{peer.name}: {entry.reason}"
 
 
 @pytest.mark.distributed

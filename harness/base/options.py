@@ -120,7 +120,7 @@ OPTIONS: dict[str, Option] = {o.dest: o for o in (
            "stuck collective (stuck ranks are found sooner, by evidence)", COLLECTIVE_TIMEOUT_S, positive_float, metavar="S"),
     Option("--case-timeout", "deadline of one case, seconds (default: 100 x the pool's median case time, "
            "at least 10 s, at most twice the collective timeout plus 10 s)", None, positive_float, metavar="S"),
-    Option("--profile", "how many randomized cases: smoke (seconds), ci (the default: half a minute on an idle 2-core "
+    Option("--profile", "how many randomized cases: smoke (seconds), ci (the default: under a minute on an idle 2-core "
            "machine, minutes on a loaded one), thorough (about 10x ci)", DEFAULT_PROFILE,
            choices=tuple(sorted(PROFILES))),
     Option("--seed", "seed of the randomized cases", 0, seed_value),

@@ -131,7 +131,7 @@ CASE_LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
                            "on a rank without response rows; the redistribution's own buffers)"),
 }
 FAMILIES = ("default", "bitwise")  # bitwise: opt-in (`--bitwise`)
-CALL_LEVELS = ("kernel", "wrapper", "linear")  # checks of any call: it runs, returns, issues matched collectives
+CALL_LEVELS = ("kernel", "wrapper", "linear", "distill")  # checks of any call: it runs, returns, issues matched collectives
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ def _only_at_cp(ev: Evidence, run) -> str:
 @check("crash", levels=CALL_LEVELS, applies=lambda c, t: c.T > 0, needs=None, explain=_only_at_cp)
 def crash(ev: Evidence) -> list[str]:
     """Every rank returns without raising or dying (a rank that never returns is `hang`'s, unless a
-    peer raised or died first: it was left waiting for that peer, and is named here)."""
+    peer raised or died first: a rank left waiting for that peer is named here)."""
     crashed = _crashed(ev)
     problems = [f"{r.name} {r.error_kind}: {r.error}" for r in crashed]
     if crashed:
@@ -77,7 +77,7 @@ def hang(ev: Evidence) -> list[str]:
     return [str(r.error) for r in ev.ranks if r.error_kind in HANG_KINDS]
 
 
-@check("empty-input", levels=("kernel", "linear"), applies=lambda c, t: c.T == 0, needs=None)
+@check("empty-input", levels=("kernel", "linear", "distill"), applies=lambda c, t: c.T == 0, needs=None)
 def empty_input(ev: Evidence) -> list[str]:
     """T == 0 returns empty outputs without error, at every TP size."""
     problems = _errors(ev)
@@ -123,7 +123,8 @@ def _diverge(ranks: list, trace, over: str = "", stopped: bool = False) -> list[
     return [f"ranks diverge{over}: {counts}; first difference at collective #{first + 1}: {detail}"]
 
 
-@check("inference-path", applies=lambda c, t: c.T > 0 and not c.autograd, terms=True)
+@check("inference-path", levels=("kernel", "wrapper", "distill"), applies=lambda c, t: c.T > 0 and not c.autograd,
+       terms=True)
 def inference_path(ev: Evidence) -> list[str]:
     """A call under torch.no_grad() or torch.inference_mode() (how trainers recompute old-policy
     and reference log-probs) returns what the training path returns on the same inputs, bit for

@@ -11,10 +11,12 @@ from typing import Callable
 import torch
 
 from harness.cases.case import Case, KernelCase, LinearCase
-from harness.checks import Evidence, check
+from harness.checks import Evidence, check, distill
 from harness.checks.terms import kernel_terms
 
 TOKEN_LEVELS = ("kernel", "linear")
+# The checks shared with the distillation level, whose cases `harness.checks.distill` judges.
+SHARED = (*TOKEN_LEVELS, "distill")
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -29,9 +31,12 @@ def _nonempty(c: KernelCase, t) -> bool:
     return c.T > 0
 
 
-@check("values", levels=TOKEN_LEVELS, applies=_nonempty, needs="forward", terms=True)
+@check("values", levels=SHARED, applies=_nonempty, needs="forward", terms=True)
 def values(ev: Evidence) -> list[str]:
-    """log-probs and entropy match the float64 oracle of the same input values, at float32 scale."""
+    """log-probs and entropy match the float64 oracle of the same input values, at float32 scale.
+    Distillation level: each function's output, a top-k as any valid top-k (docs/distill.md)."""
+    if ev.case.level == "distill":
+        return distill.values(ev)
     problems = []
     for r in ev.ranks:  # every DP replica against the oracle of its own data
         exp = ev.expected_for(r)
@@ -44,10 +49,10 @@ def values(ev: Evidence) -> list[str]:
 
 
 def _gradient_terms(ev: Evidence, run: Callable[[Case], Evidence]) -> str:
-    return kernel_terms(ev, run, gradients)
+    return "" if ev.case.level == "distill" else kernel_terms(ev, run, gradients)
 
 
-@check("gradients", levels=TOKEN_LEVELS, applies=lambda c, t: c.T > 0 and c.has_backward, reads=("autograd",),
+@check("gradients", levels=SHARED, applies=lambda c, t: c.T > 0 and c.has_backward, reads=("autograd",),
        explain=_gradient_terms, terms=True)
 def gradients(ev: Evidence) -> list[str]:
     """The local gradient is the local slice of the oracle's gradient of sum(w1*lp) + sum(w2*H);
@@ -55,7 +60,10 @@ def gradients(ev: Evidence) -> list[str]:
     with two calls on different inputs in one graph (two_inputs), each call's inputs get their own.
     Linear level: the weight shard's gradient is its slice of the full head's, and every rank's
     hidden-state gradient is the full one (all-reduced over the TP group); a frozen input gets None.
-    In every TP group of the world, against the oracle of its DP replica's data."""
+    In every TP group of the world, against the oracle of its DP replica's data.
+    Distillation level: the student's (and a differentiable teacher's) shards (docs/distill.md)."""
+    if ev.case.level == "distill":
+        return distill.gradients(ev)
     problems = []
     for second in ((False, True) if ev.case.context == "two_inputs" else (False,)):
         for group in ev.groups():
@@ -90,12 +98,15 @@ def _gradients(ev: Evidence, group: list, second: bool) -> list[str]:
     return problems
 
 
-@check("grad-flags", levels=TOKEN_LEVELS, needs="forward", terms=True)
+@check("grad-flags", levels=SHARED, needs="forward", terms=True)
 def grad_flags(ev: Evidence) -> list[str]:
     """entropy.requires_grad == with_entropy and with_entropy_grad and logits.requires_grad (linear
     level: the hidden states and weight require grad) (and
     autograd on: nothing carries a gradient under no_grad / inference_mode); entropy is None
-    exactly when not requested; log_prob follows the logits."""
+    exactly when not requested; log_prob follows the logits.
+    Distillation level: the output follows the differentiable inputs (docs/distill.md)."""
+    if ev.case.level == "distill":
+        return distill.grad_flags(ev)
     c = ev.case
     assert isinstance(c, (KernelCase, LinearCase))  # levels=TOKEN_LEVELS
     problems = []
@@ -117,10 +128,13 @@ def grad_flags(ev: Evidence) -> list[str]:
     return problems
 
 
-@check("shapes-dtypes", levels=TOKEN_LEVELS, needs="forward", terms=True)
+@check("shapes-dtypes", levels=SHARED, needs="forward", terms=True)
 def shapes_dtypes(ev: Evidence) -> list[str]:
     """T elements out, float32 out, the gradient in the logits' dtype and shape (linear level: the
-    weight shard's and the hidden states' gradients in their dtype and shape)."""
+    weight shard's and the hidden states' gradients in their dtype and shape).
+    Distillation level: each function's shape, float32 out, int64 ids (docs/distill.md)."""
+    if ev.case.level == "distill":
+        return distill.shapes_dtypes(ev)
     c = ev.case
     assert isinstance(c, (KernelCase, LinearCase))  # levels=TOKEN_LEVELS
     want_grad_dtype = _DTYPE_NAMES[c.dtype]
@@ -146,9 +160,12 @@ def shapes_dtypes(ev: Evidence) -> list[str]:
     return problems
 
 
-@check("finite", levels=TOKEN_LEVELS, applies=_nonempty, needs="forward", terms=True)
+@check("finite", levels=SHARED, applies=_nonempty, needs="forward", terms=True)
 def finite(ev: Evidence) -> list[str]:
-    """No NaN or inf where the oracle is finite (outputs and gradient)."""
+    """No NaN or inf where the oracle is finite (outputs and gradient).
+    Distillation level: the output and the gradients (docs/distill.md)."""
+    if ev.case.level == "distill":
+        return distill.finite(ev)
     exp = ev.expected
     pairs = [("log_prob", ev.obs().log_prob, exp.log_prob), ("entropy", ev.obs().entropy, exp.entropy),
              ("grad", ev.full_grad(), exp.grad)]
@@ -181,15 +198,21 @@ def _outputs_match(ev: Evidence, other: Evidence, what: str) -> list[str]:
     return problems
 
 
-@check("chunk-invariance", levels=TOKEN_LEVELS,
+@check("chunk-invariance", levels=SHARED,
        twin=lambda c: c.replace(chunk_size=-1) if c.chunk_size > 0 and c.T > 0 else None, terms=True)
 def chunk_invariance(ev: Evidence) -> list[str]:
-    """The same case unchunked gives the same answer within the tolerance."""
+    """The same case unchunked gives the same answer within the tolerance.
+    Distillation level: a top-k's log-probs, not its ids (docs/distill.md)."""
+    if ev.case.level == "distill":
+        return distill.outputs_match(ev, ev.twins["chunk-invariance"], "chunk_size=-1")
     return _outputs_match(ev, ev.twins["chunk-invariance"], "chunk_size=-1")
 
 
-@check("tp-invariance", levels=TOKEN_LEVELS, min_ranks=2,
+@check("tp-invariance", levels=SHARED, min_ranks=2,
        twin=lambda c: c.replace(tp=1, v_local=c.vocab) if c.T > 0 else None, terms=True)
 def tp_invariance(ev: Evidence) -> list[str]:
-    """The same global case at TP 1 gives the same answer within the tolerance."""
+    """The same global case at TP 1 gives the same answer within the tolerance.
+    Distillation level: a top-k's log-probs, not its ids (docs/distill.md)."""
+    if ev.case.level == "distill":
+        return distill.outputs_match(ev, ev.twins["tp-invariance"], "TP 1")
     return _outputs_match(ev, ev.twins["tp-invariance"], "TP 1")

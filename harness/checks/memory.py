@@ -5,7 +5,8 @@ budget a target declares. Figures come from `harness.meters.memory_meter` (docs/
 Chunking is not asserted to lower the peak: in eager autograd the backward of row slices allocates
 full-size gradients, and a routine that saves its whole softmax has the same retained bytes with
 or without chunks. `memory-chunk-passthrough` only asks the wrapper to cost what its kernel costs
-at the chunk size it was given.
+at the chunk size it was given, and `memory-logits-dtype` a routine that works in chunks of bf16 or
+fp16 logits to keep its float32 work to chunks (a full-size gradient in the logits' dtype is fine).
 
 Named for what it checks, as `targets/mutants/memory.py` holds the defects it is shown to catch.
 """
@@ -33,6 +34,28 @@ def rows(c: Any) -> int:
 
 def _unit_name(c: Any) -> str:
     return "T*V_local*4" if getattr(c, "cp", 1) == 1 else f"T_local*V_local*4 (T_local = {rows(c)} rows of CP {c.cp})"
+
+
+HALF_PRECISION = ("bf16", "fp16")
+
+
+def _logits_bytes(c: Any) -> int:
+    """The logits' own size on a rank, in their dtype: T*V_local*2 for bf16 and fp16 (at CP > 1,
+    T_local rows; at the linear level, the [T, V_local] logits in the inputs' dtype)."""
+    return rows(c) * c.v_local * DTYPES[c.dtype].itemsize
+
+
+def _logits_unit_name(c: Any) -> str:
+    size = DTYPES[c.dtype].itemsize
+    rows_name = "T" if getattr(c, "cp", 1) == 1 else "T_local"
+    return f"{rows_name}*V_local*{size}, the {c.dtype} logits' own size"
+
+
+def _in_logits_unit(c: Any, nbytes: int) -> str:
+    """`nbytes` read in the logits' own unit, where that differs from the float32 one."""
+    if c.dtype not in HALF_PRECISION:
+        return ""
+    return f" ({nbytes / _logits_bytes(c):.2f} x {_logits_unit_name(c)})"
 
 
 def _mem(ev: Evidence, rank: int) -> dict[str, Any]:
@@ -234,8 +257,8 @@ def budget(ev: Evidence) -> list[str]:
             got = m.get(meter)
             if got is not None and budget_use(c, got, meter) > mult:
                 allowed = int(mult * unit) + allowance(c, meter) + memory_meter.budget_slack(c.T)
-                problems.append(f"{ev.ranks[r].name}: {meter} {_fmt(got)} = {got / unit:.2f} x {_unit_name(c)}, "
-                                f"budget {mult} x + allowances = {_fmt(allowed)}. "
+                problems.append(f"{ev.ranks[r].name}: {meter} {_fmt(got)} = {got / unit:.2f} x {_unit_name(c)}"
+                                f"{_in_logits_unit(c, got)}, budget {mult} x + allowances = {_fmt(allowed)}. "
                                 f"Largest: {_list(m.get(f'{meter}_tensors', []))}")
             cuda = m.get(f"cuda_{meter}")
             if cuda is not None and budget_use(c, cuda - memory_meter.CUDA_BLOCK * (m.get(f"{meter}_count") or 0), meter) > mult:
@@ -270,4 +293,114 @@ def linear_retained(ev: Evidence) -> list[str]:
                             f"{got / memory_meter.unit(c.T, c.v_local):.2f} x T*V_local*4; allowed {_fmt(allowed)} "
                             f"(float32 input copies + O(T)). "
                             f"Largest: {_list(m.get('retained_tensors', []))}")
+    return problems
+
+
+# ---------------------------------------------------------------------------- the logits' own dtype
+_WIDE = ("float32", "float64")  # the dtypes of float32 work (float64 too), as the meter names them
+_ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}  # the float dtypes, by the meter's names
+# The float32 work a chunked backward may hold at once beyond what its forward retained, in chunks of
+# [chunk_size, V] float32 (the full vocab: a gathering design's chunk). The designs measured hold at
+# most 8.3, two calls' backward at once (docs/memory.md, "In the logits' own dtype"); a [T, V_local]
+# float32 buffer in pieces stands out of it once T / chunk_size passes 16 * TP.
+WORK_CHUNKS = 16
+
+
+def _chunked_half_precision(c: Any, t: Any) -> bool:
+    """Half-precision logits, a chunk size that splits the rows, and a [T, V_local] tensor that
+    stands out of the O(T) slack (so it cannot be a handful of [T] vectors)."""
+    return (c.T > 0 and c.dtype in HALF_PRECISION and 0 < c.chunk_size < rows(c)
+            and memory_meter.unit(rows(c), c.v_local) > memory_meter.slack(c.T))
+
+
+def _sig(t: dict, with_how: bool) -> tuple:
+    return (tuple(t["shape"]), t["dtype"], t["op"], t["how"] if with_how else t["how"] == "saved")
+
+
+def _not_retained(peak: list[dict], retained: list[dict], with_how: bool) -> list[dict]:
+    """The tensors of a peak that the forward did not retain: the peak's listing less the retained
+    one's (multiset, by shape, dtype, op and role). The forward's peak is listed before the outputs
+    are marked, so there only "saved" tells roles apart. A tensor no larger than the smallest of a
+    full retained listing may be a retained one the listing cut off: it is left out."""
+    spare = Counter(_sig(t, with_how) for t in retained)
+    floor = min(t["bytes"] for t in retained) if len(retained) >= memory_meter.TOP else -1
+    out = []
+    for t in peak:
+        if spare[_sig(t, with_how)]:
+            spare[_sig(t, with_how)] -= 1
+        elif t["bytes"] > floor:
+            out.append(t)
+    return out
+
+
+def _wide(c: Any, t: dict) -> bool:
+    """float32 (or float64) work on the logits: at the linear level not shaped like an input or
+    its gradient (a dimension of H: the float32 copies and accumulators its allowance grants)."""
+    if t["dtype"] not in _WIDE:
+        return False
+    return not isinstance(c, LinearCase) or c.H not in t["shape"]
+
+
+def _whole(c: Any, t: dict) -> bool:
+    """A float32 tensor of all the rank's logits in one piece: its rows and its V_local columns (a
+    chunk's rows gathered to the full vocab, as a gathering design makes them, are not)."""
+    return _wide(c, t) and rows(c) in t["shape"] and c.v_local in t["shape"] and \
+        t["bytes"] // _ITEMSIZE[t["dtype"]] >= rows(c) * c.v_local
+
+
+def _works_in_chunks(c: Any, peak: list[dict]) -> bool:
+    """The routine is seen to chunk: its forward's peak holds a tensor of one chunk's rows of the
+    logits ([chunk_size, V_local], or the last chunk's rows), in any float dtype. A routine that
+    computes every row at once (the naive routine, verl's log-probs through megatron-core's cross
+    entropy) holds only whole [T, V_local] tensors: not chunking at all is a design, which the
+    budget weighs, not this check."""
+    sizes = {c.chunk_size, rows(c) % c.chunk_size} - {0}
+    return any(t["dtype"] in _ITEMSIZE and c.v_local in t["shape"] and
+               any(r in t["shape"] and t["bytes"] == r * c.v_local * _ITEMSIZE[t["dtype"]] for r in sizes)
+               for t in peak)
+
+
+@check("memory-logits-dtype", levels=("kernel", "wrapper", "linear"), applies=_chunked_half_precision,
+       reads=("memory",))
+def logits_dtype(ev: Evidence) -> list[str]:
+    """NeMo-RL #2872: with bf16 or fp16 logits and a chunk size that splits the rows, a routine that
+    works in chunks keeps its float32 working set to chunks. The forward's peak holds no float32 copy
+    of all the logits that the forward then frees (a whole-tensor `.float()` in front of the chunks);
+    the backward's peak holds no float32 (or float64) buffer of all the logits that the backward
+    allocated (the gradient is built and returned in the logits' dtype), and the float32 work it
+    allocated is at most 16 chunks of [chunk_size, V] plus O(T). What the forward retained, saved
+    for backward or kept on ctx (a saved float32 softmax), is `memory-budget`'s to weigh, not this
+    check's; so is a routine whose forward's peak holds no chunk of rows (every row at once, by design)."""
+    c = ev.case
+    n = rows(c)
+    chunk = c.chunk_size * c.vocab * 4
+    work = WORK_CHUNKS * chunk + memory_meter.slack(c.T)
+    whole_name = f"all {n}x{c.v_local} = {n * c.v_local:,} logits entries of the rank ({c.dtype})"
+    problems = []
+    for r in range(len(ev.ranks)):
+        m, name = _mem(ev, r), ev.ranks[r].name
+        if not _works_in_chunks(c, m.get("peak_forward_tensors", [])):
+            continue
+        retained = m.get("retained_tensors", [])
+        forward = [t for t in _not_retained(m.get("peak_forward_tensors", []), retained, with_how=False)
+                   if t["how"] != "saved" and _whole(c, t)]
+        if m.get("peak_forward") is not None and forward:
+            problems.append(f"{name}: the forward's peak ({_fmt(m['peak_forward'])}) holds a float32 copy of "
+                            f"{whole_name}, freed before the forward returned, with chunk_size={c.chunk_size}: "
+                            f"{_list(forward)}{_in_logits_unit(c, forward[0]['bytes'])}")
+        if m.get("peak_backward") is None:
+            continue
+        allocated = [t for t in _not_retained(m.get("peak_backward_tensors", []), retained, with_how=True)
+                     if _wide(c, t)]
+        whole = [t for t in allocated if _whole(c, t)]
+        if whole:
+            problems.append(f"{name}: the backward's peak ({_fmt(m['peak_backward'])}) holds a float32 buffer of "
+                            f"{whole_name} that the backward allocated, with chunk_size={c.chunk_size}: "
+                            f"{_list(whole)}{_in_logits_unit(c, whole[0]['bytes'])}; the gradient belongs in the "
+                            f"logits' dtype")
+        elif (held := sum(t["bytes"] for t in allocated)) > work:
+            problems.append(f"{name}: the backward's peak holds {_fmt(held)} of float32 work it allocated, "
+                            f"{held / chunk:.1f} chunks of [{c.chunk_size}, {c.vocab}] float32"
+                            f"{_in_logits_unit(c, held)}; allowed {WORK_CHUNKS} chunks + O(T) = {_fmt(work)}: "
+                            f"{_list(allocated)}")
     return problems

@@ -14,8 +14,18 @@ from typing import Any
 import torch
 
 from harness import reference
-from harness.cases.case import Case, KernelCase, LinearCase, WrapperCase
+from harness.cases.case import Case, DistillCase, KernelCase, LinearCase, WrapperCase
+from harness.checks.distill_tolerance import (
+    derivative_error,
+    divergence_bound,
+    entry_bounds,
+    output_rounding,
+    relative,
+    softmax_grad_bound,
+    term_derivatives,
+)
 from harness.checks.tolerance import Rows, grad_bound, linear_bounds, value_bounds
+from harness.reference import distill as ref
 from harness.reference.cp import PAD, local_rows, response_positions
 
 PerSample = list[torch.Tensor]
@@ -36,6 +46,8 @@ class Expected:
 
 @functools.lru_cache(maxsize=256)
 def expected(case: Case) -> Expected:
+    if isinstance(case, DistillCase):
+        return distill_expected(case)
     if isinstance(case, KernelCase):
         return _kernel(case)
     if isinstance(case, LinearCase):
@@ -140,8 +152,15 @@ def _wrapper(case: WrapperCase) -> Expected:
     w2 = w_ent if out["entropy_requires_grad"] else None
     grad = reference.wrapper_logits_grad(inp.logits, args, w_log_probs=w_lp, w_entropy=w2, **common) \
         if case.grad_on else None
+    rounded = grad
     if inp.w_log_probs_2 is not None:  # the error bound of two summed gradients
         assert inp.w_entropy_2 is not None  # the second call's weights come as a pair
+        if grad is not None and case.dtype != "fp32":
+            # As at the kernel: each call's gradient is rounded to the bf16/fp16 logits' dtype before
+            # the two are summed in it (float32 logits carry no rounding there).
+            rounded = grad.abs() + sum(reference.wrapper_logits_grad(
+                inp.logits, args, w_log_probs=a, w_entropy=b if w2 is not None else None, **common).abs()
+                for a, b in ((inp.w_log_probs, inp.w_entropy), (inp.w_log_probs_2, inp.w_entropy_2)))
         w_lp = [a.abs() + b.abs() for a, b in zip(inp.w_log_probs, inp.w_log_probs_2, strict=True)]
         w2 = ([a.abs() + b.abs() for a, b in zip(inp.w_entropy, inp.w_entropy_2, strict=True)]
               if w2 is not None else None)
@@ -154,15 +173,16 @@ def _wrapper(case: WrapperCase) -> Expected:
     rows = reference.response_rows(lengths, responses)
     mask = reference.top_p_keep_mask(case.T, case.vocab, lengths, responses, inp.top_p_token_ids,
                                      inp.top_p_token_offsets)
-    rounded = t != 1.0
+    divided = t != 1.0
     stats = Rows(z, tokens, mask)  # shared by the values' and the gradient's bounds
-    lp_tol, ent_tol = value_bounds(z, tokens, mask, tp=case.tp, input_rounded=rounded, rows=stats)
+    lp_tol, ent_tol = value_bounds(z, tokens, mask, tp=case.tp, input_rounded=divided, rows=stats)
     grad_tol = None
     if grad is not None:
+        assert rounded is not None  # with the gradient
         w1_rows = _scatter(w_lp, rows, case.T)
         w2_rows = _scatter(w2, rows, case.T) if w2 is not None else None
-        grad_tol = grad_bound(z, tokens, mask, w1_rows, w2_rows, tp=case.tp, input_rounded=rounded,
-                              grad=grad * t, rows=stats) / abs(t)
+        grad_tol = grad_bound(z, tokens, mask, w1_rows, w2_rows, tp=case.tp, dtype=case.dtype, input_rounded=divided,
+                              grad=rounded * t, rows=stats) / abs(t)
     return Expected(
         log_prob=out["log_probs"], entropy=out["entropy"], grad=grad,
         entropy_requires_grad=out["entropy_requires_grad"],
@@ -177,3 +197,106 @@ def _scatter(per_sample: PerSample, rows: list[torch.Tensor], T: int) -> torch.T
     for values, r in zip(per_sample, rows, strict=True):
         w[r] = values.to(torch.float64)
     return w
+
+
+# The distillation level (docs/distill.md): the float64 oracle of `reference.distill` on the whole
+# vocabulary, gradients by float64 autograd through it, bounds from `distill_tolerance`.
+@dataclass(frozen=True)
+class DistillExpected(Expected):
+    """`log_prob` holds the function's output (the log-softmax `[T, V]`, the top-k log-probs `[T, k']`
+    at the oracle's ids, the gathered `[T, K]`, the divergence `[T]`) and `log_prob_tol` its bound."""
+    grad_teacher: torch.Tensor | None = None  # [T, V]: a differentiable teacher's gradient
+    grad_teacher_tol: torch.Tensor | None = None
+    full_log_probs: torch.Tensor | None = None  # [T, V]: the whole vocabulary's, to judge any top-k
+    full_log_probs_tol: torch.Tensor | None = None
+
+
+def _on_vocab(values: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.zeros((ids.shape[0], vocab), dtype=torch.float64).scatter_add_(-1, ids, values)
+
+
+def _grad(case: DistillCase, loss_of, *leaves: torch.Tensor) -> list[torch.Tensor | None]:
+    """Float64 autograd of the case's loss w.r.t. the leaves that require grad."""
+    wanted = [x for x in leaves if x.requires_grad]
+    if not wanted:
+        return [None] * len(leaves)
+    grads = iter(torch.autograd.grad(loss_of(), wanted))
+    return [next(grads) if x.requires_grad else None for x in leaves]
+
+
+def distill_expected(case: DistillCase) -> DistillExpected:
+    inp = case.inputs()
+    T, V, tp, temp = case.T, case.vocab, case.tp, case.temperature
+    rounded = temp != 1.0
+    xs = inp.student.to(torch.float64).requires_grad_(case.grad_on and case.function != "topk")
+    xt = inp.teacher.to(torch.float64).requires_grad_(case.teacher_grad_on)
+    w = inp.weights.to(torch.float64)
+    zs = ref.scaled(inp.student, temp)
+    e_full, p_full = entry_bounds(zs, tp, rounded)
+    lp_full = zs.log_softmax(-1)
+    extra: dict = {}
+    grad_s = grad_s_tol = grad_t = grad_t_tol = None
+
+    if case.function == "log_softmax":
+        values, tol = lp_full, e_full
+        if xs.requires_grad:
+            (grad_s,) = _grad(case, lambda: (ref.log_softmax(xs, temp) * w).nan_to_num(0.0, 0.0, 0.0).sum(), xs)
+            ids = torch.arange(V).expand(T, V)
+            grad_s_tol = softmax_grad_bound(w, torch.zeros_like(w), ids, p_full, relative(e_full), V, tp)
+    elif case.function == "topk":
+        values, ids = ref.topk(inp.student, case.k, temp)
+        tol = e_full.gather(-1, ids)
+        extra = dict(full_log_probs=lp_full, full_log_probs_tol=e_full)
+    elif case.function == "gather":
+        ids = inp.topk_ids
+        values = ref.gather(inp.student, ids, temp, case.renormalize)
+        if case.renormalize:
+            tol, q = entry_bounds(zs.gather(-1, ids), tp, rounded)
+            pi, r = _on_vocab(q, ids, V), _on_vocab(relative(tol), ids, V)
+        else:
+            tol, pi, r = e_full.gather(-1, ids), p_full, relative(e_full)
+        if xs.requires_grad:
+            (grad_s,) = _grad(case, lambda: (ref.gather(xs, ids, temp, case.renormalize) * w)
+                              .nan_to_num(0.0, 0.0, 0.0).sum(), xs)
+            grad_s_tol = softmax_grad_bound(w, torch.zeros_like(w), ids, pi, r, V, tp)
+    else:
+        teacher = None if case.teacher == "given" else xt
+        given_lp = inp.topk_log_probs if case.teacher == "given" else None
+        given_ids = inp.topk_ids if case.teacher == "given" else None
+        k = case.k if case.teacher == "topk" else 0
+        ids = ref.support(teacher, given_ids, k, V, T, temp)
+        whole = case.teacher == "full"
+
+        def divergence(s: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor:
+            return ref.divergence(s, t, given_lp, given_ids, k, case.kind, case.beta, temp, case.renormalize)
+
+        values = divergence(xs, teacher).detach()
+        ls, lt = ref.support_log_probs(inp.student, inp.teacher if teacher is not None else None, given_lp, ids,
+                                       temp, case.renormalize or whole)
+        zt = ref.scaled(inp.teacher, temp)
+        et_full, pt_full = entry_bounds(zt, tp, rounded)
+        if whole or not case.renormalize:
+            es, ps, rs = e_full.gather(-1, ids), p_full, relative(e_full)
+            et, pt, rt = ((et_full.gather(-1, ids), pt_full, relative(et_full)) if teacher is not None else
+                          (torch.zeros_like(ls), None, None))
+        else:
+            es, qs = entry_bounds(zs.gather(-1, ids), tp, rounded)
+            ps, rs = _on_vocab(qs, ids, V), _on_vocab(relative(es), ids, V)
+            t_values = zt.gather(-1, ids) if teacher is not None else inp.topk_log_probs.to(torch.float64) / temp
+            et, qt = entry_bounds(t_values, tp, rounded)
+            pt, rt = _on_vocab(qt, ids, V), _on_vocab(relative(et), ids, V)
+        d = term_derivatives(ls, lt, case.kind, case.beta)
+        tol = divergence_bound(d, es, et, tp)
+        wl = w.unsqueeze(-1)
+        if case.has_backward:
+            grad_s, grad_t = _grad(case, lambda: (divergence(xs, teacher) * w).sum(), xs, xt)
+            if grad_s is not None:
+                grad_s_tol = softmax_grad_bound(d["a"], derivative_error(d, "a", es, et), ids, ps, rs, V, tp) * wl.abs()
+            if grad_t is not None and pt is not None and rt is not None:
+                grad_t_tol = softmax_grad_bound(d["b"], derivative_error(d, "b", es, et), ids, pt, rt, V, tp) * wl.abs()
+        if grad_t is not None and grad_t_tol is not None:
+            extra.update(grad_teacher=grad_t, grad_teacher_tol=output_rounding(grad_t, grad_t_tol / temp, w, case.dtype, temp))
+    if grad_s is not None and grad_s_tol is not None:
+        grad_s_tol = output_rounding(grad_s, grad_s_tol / temp, w, case.dtype, temp)
+    return DistillExpected(log_prob=values.detach(), entropy=None, grad=grad_s, entropy_requires_grad=False,
+                           log_prob_tol=tol, entropy_tol=None, grad_tol=grad_s_tol, **extra)

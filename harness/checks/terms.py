@@ -18,10 +18,16 @@ from harness.checks import CheckFn, Evidence
 
 _NAMES = {"log_prob": "log-prob", "entropy": "entropy"}
 TERMS = ("log-prob", "entropy")
+TERM_LEVELS = ("kernel", "wrapper", "linear")  # the levels whose outputs are a log-prob and an entropy
 GRADIENT = "gradient"  # a problem about a gradient: its term is the loss's (`gradient_terms`)
 # The first output a problem names is its subject ("rank 0 log_prob: worst at ...", "grad (all
 # shards): ...", "entropy vs TP 1"); `with_entropy`, `requires_grad`, `entropy_coef` name no output.
 _OUTPUT = re.compile(r"\b(entropy|log[_-]probs?|grad\w*|gradients?)\b")
+
+
+def split_by_term(chk_terms: bool, case: Case) -> bool:
+    """Whether a check's problems on `case` are split by term: a `terms` check at a level of `TERM_LEVELS`."""
+    return chk_terms and case.level in TERM_LEVELS
 
 
 def named_output(problem: str) -> str:

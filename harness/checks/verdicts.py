@@ -17,7 +17,7 @@ from harness.checks import script as scripts
 from harness.checks.families import FamilyStats, context_of, family_key
 from harness.checks.findings import BEYOND_USE, Finding, script_command
 from harness.checks.known import Entry, KnownFindings
-from harness.checks.terms import exercised
+from harness.checks.terms import exercised, split_by_term
 from harness.checks.use import beyond
 
 # `about(check, evidence, problems) -> [(term, context, problems)]`: a failing check's problems
@@ -103,7 +103,8 @@ class Verdicts:
         finding names), on the plain path and, in a call context, in that context too."""
         case, context = ev.case, context_of(ev.case)
         failing = {(f.term, f.context): f for f in findings}
-        terms = list(dict.fromkeys([*(exercised(case) if chk.terms else ("",)), *(t for t, _ in failing)]))
+        terms = list(dict.fromkeys([*(exercised(case) if split_by_term(chk.terms, case) else ("",)),
+                                    *(t for t, _ in failing)]))
         for term in terms:
             for ctx in dict.fromkeys(("", context)):
                 key = family_key(chk.name, term, ctx)

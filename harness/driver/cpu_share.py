@@ -7,8 +7,11 @@ two ranks in one all-reduce can both look blocked while their transfer waits for
 counts, per thread, the CPU time used and the time spent runnable without a CPU
 (`/proc/PID/task/TID/schedstat`: run time and run-queue delay, in ns). Sampled for the ranks still
 running, they classify each interval:
-- quiet: every running rank idle (under IDLE_SHARE of a core) and none of their threads waiting
-  for a CPU: a stall, the only time that counts towards a stuck verdict;
+- quiet: every running rank idle (under IDLE_SHARE of a core), none of their threads waiting for a
+  CPU, and none runnable at the interval's end: a stall, the only time that counts towards a stuck
+  verdict (Linux adds a wait to the run-queue delay only once the thread gets a CPU, so a thread
+  still waiting at a sample shows neither run time nor delay for it, and on a loaded machine such
+  a wait spans whole intervals);
 - working: some rank used the CPU (a slow collective, a long kernel): proves nothing;
 - starved: a thread of a running rank waited for a CPU for over STARVED_SHARE of the interval:
   proves nothing, and moves the job's deadline on by the time it waited.
@@ -28,8 +31,9 @@ IDLE_SHARE = 0.1
 STARVED_SHARE = 0.25
 
 
-def _threads(pid: int) -> dict[int, tuple[int, int]]:
-    """Per thread of `pid`: (ns run on a CPU, ns waited runnable for one). Empty when unreadable."""
+def _threads(pid: int) -> dict[int, tuple[int, int, bool]]:
+    """Per thread of `pid`: (ns run on a CPU, ns waited runnable for one, runnable now). Empty when
+    unreadable."""
     out = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
@@ -39,8 +43,10 @@ def _threads(pid: int) -> dict[int, tuple[int, int]]:
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as fh:
                 run, delay, _ = fh.read().split()
-            out[int(tid)] = (int(run), int(delay))
-        except (OSError, ValueError):
+            with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+                state = fh.read().rpartition(")")[2].split()[0]
+            out[int(tid)] = (int(run), int(delay), state == "R")
+        except (OSError, ValueError, IndexError):
             continue  # a thread that ended meanwhile
     return out
 
@@ -53,7 +59,7 @@ class CpuShare:
         self.quiet_s = 0.0
         self.starved_s = 0.0
         self._last_at = now
-        self._last: dict[int, dict[int, tuple[int, int]]] = {}
+        self._last: dict[int, dict[int, tuple[int, int, bool]]] = {}
 
     def sample(self, running: list[int], now: float) -> None:
         """Classify the time since the last sample, for the ranks `running` (world ranks)."""
@@ -64,6 +70,7 @@ class CpuShare:
         current = {r: _threads(self.pids[r]) for r in running}
         known = [r for r in running if current[r] and self._last.get(r)]
         worked = starved = 0.0
+        runnable = any(state[2] for r in known for state in current[r].values())
         for r in known:
             before, after = self._last[r], current[r]
             common = [t for t in after if t in before]
@@ -78,5 +85,5 @@ class CpuShare:
             return
         if starved > STARVED_SHARE:
             self.starved_s += min(dt, starved * dt)
-        elif worked <= IDLE_SHARE:
+        elif worked <= IDLE_SHARE and not runnable:
             self.quiet_s += dt

@@ -157,9 +157,11 @@ def plan(profile: Profile, levels: Iterable[str], tps: list[int], launched: bool
     asked = sorted(set(tps))
     extra = [] if launched else sorted(set(profile.extra_tp) - set(tps))
     sizes = sorted(asked + extra)
-    counts = {"kernel": profile.kernel_cases, "wrapper": profile.wrapper_cases, "linear": profile.linear_cases}
-    # The linear level runs in one TP group: DP replicas are the kernel's and the wrapper's axis.
-    dp_counts = {"kernel": profile.dp_kernel_cases, "wrapper": profile.dp_wrapper_cases, "linear": 0}
+    counts = {"kernel": profile.kernel_cases, "wrapper": profile.wrapper_cases, "linear": profile.linear_cases,
+              "distill": profile.distill_cases}
+    # The linear level runs in one TP group: DP replicas are the other levels' axis.
+    dp_counts = {"kernel": profile.dp_kernel_cases, "wrapper": profile.dp_wrapper_cases, "linear": 0,
+                 "distill": profile.dp_distill_cases}
     dp_sizes = [] if launched else [tp for tp in sizes if tp in profile.dp_tp]
     steps = []
     for level in (lv for lv in levels if counts[lv]):

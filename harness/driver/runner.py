@@ -17,7 +17,7 @@ from harness.checks import Check, Evidence, all_checks, oracle
 from harness.checks.families import context_of, plain
 from harness.checks.findings import Finding, repro_command
 from harness.checks.known import load as load_known
-from harness.checks.terms import GRADIENT, gradient_terms, named_output
+from harness.checks.terms import GRADIENT, gradient_terms, named_output, split_by_term
 from harness.checks.use import parse_use
 from harness.checks.verdicts import Later, Verdicts
 from harness.driver import torchrun
@@ -350,8 +350,9 @@ class Runner:
         A call context is the family's when the same case on the plain path passes (or the check
         applies only in that context)."""
         by_term: dict[str, list[str]] = {}
+        split = split_by_term(chk.terms, ev.case)
         for p in problems:
-            output = named_output(p) if chk.terms else ""
+            output = named_output(p) if split else ""
             terms = self._gradient_terms(chk, ev.case) if output == GRADIENT else (output,)
             for term in terms or ("",):
                 by_term.setdefault(term, []).append(p)
@@ -370,7 +371,7 @@ class Runner:
         problems = self.probe(chk, plain(case))
         if problems is None:  # the check applies only in that context, or its plain case cannot be judged
             return context
-        same = [p for p in problems if not chk.terms or named_output(p) in (term, GRADIENT)]
+        same = [p for p in problems if not split_by_term(chk.terms, case) or named_output(p) in (term, GRADIENT)]
         return "" if same else context
 
     def explain(self, findings: list[Finding]) -> list[Finding]:

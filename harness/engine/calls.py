@@ -11,7 +11,7 @@ from typing import Any, Callable, overload
 import torch
 import torch.distributed as dist
 
-from harness.cases.case import KernelCase, LinearCase, WrapperCase
+from harness.cases.case import DistillCase, KernelCase, LinearCase, WrapperCase
 from harness.reference.cp import PAD, local_rows
 from harness.targets import Target
 
@@ -253,6 +253,68 @@ class LinearShard:
     def loss(self, log_prob: Any, entropy: Any) -> Any:
         device = self.hidden.device
         return weighted(log_prob, self.w_log_prob, device) + weighted(entropy, self.w_entropy, device)
+
+
+@dataclass(frozen=True)
+class DistillShard:
+    """A distillation case's inputs on one rank: the student's shard laid out as the case says (the
+    caller's leaf `source`), the teacher's shard (full and topk teachers), the teacher pass's top-k
+    log-probs and ids (replicated), and this rank's upstream weights: the output's, or for the
+    sharded log-softmax this rank's columns of them."""
+    student: torch.Tensor
+    source: torch.Tensor
+    layout: str
+    teacher: torch.Tensor | None
+    topk_log_probs: torch.Tensor | None
+    topk_ids: torch.Tensor | None
+    weights: torch.Tensor
+
+    @classmethod
+    def of(cls, case: DistillCase, rank: int, device: torch.device) -> "DistillShard":
+        full = case.inputs()
+        source, student = laid_out(shard(full.student, rank, case.v_local, device), case.layout, case.requires_grad)
+        teacher = topk_log_probs = topk_ids = None
+        if case.function == "divergence" and case.teacher != "given":
+            teacher = shard(full.teacher, rank, case.v_local, device).requires_grad_(case.teacher_grad)
+        if case.function == "divergence" and case.teacher == "given":
+            topk_log_probs = full.topk_log_probs.to(device)
+        if case.function == "gather" or (case.function == "divergence" and case.teacher == "given"):
+            topk_ids = full.topk_ids.to(device)
+        weights = shard(full.weights, rank, case.v_local, device) if case.function == "log_softmax" \
+            else full.weights.to(device)
+        return cls(student, source, case.layout, teacher, topk_log_probs, topk_ids, weights)
+
+    def call(self, target: Target, case: DistillCase, group: Any) -> tuple[Any, Any]:
+        """The case's function: `(output, global ids)` for the top-k, `(output, None)` otherwise."""
+        fn = target.distill[case.function]
+        common = dict(temperature=case.temperature, chunk_size=case.chunk_size)
+        if case.function == "log_softmax":
+            return fn(self.student, group, **common), None
+        if case.function == "topk":
+            out = fn(self.student, case.k, group, **common)
+            if isinstance(out, (tuple, list)) and len(out) == 2:
+                return out[0], out[1]
+            return out, None  # not the contract's pair: `values` says what came back
+        if case.function == "gather":
+            return fn(self.student, self.topk_ids, group, renormalize=case.renormalize, **common), None
+        return fn(self.student, group, teacher_logits=self.teacher, teacher_topk_log_probs=self.topk_log_probs,
+                  teacher_topk_indices=self.topk_ids, k=case.k if case.teacher == "topk" else 0, kind=case.kind,
+                  beta=case.beta, renormalize=case.renormalize, **common), None
+
+    def loss(self, out: Any) -> Any:
+        """The upstream loss: the output weighed by this rank's weights (the same loss on every rank
+        for a replicated output; this rank's part of the sum for the sharded log-softmax); 0.0 when
+        the output carries no gradient or has the wrong size (`shapes-dtypes` reports it)."""
+        if not isinstance(out, torch.Tensor) or not out.requires_grad or out.numel() != self.weights.numel():
+            return 0.0
+        w = self.weights.to(device=out.device, dtype=out.dtype).reshape(out.shape)
+        # A -inf output (a masked entry) has a weight of 0: no gradient, whatever its value.
+        return (out * w).nan_to_num(0.0, 0.0, 0.0).sum()
+
+    def grad(self) -> torch.Tensor | None:
+        """The gradient w.r.t. the student's logits handed over, as accumulated in the caller's tensor."""
+        g = self.source.grad
+        return None if g is None else view_of(g, self.layout if self.layout != "nonleaf" else "")
 
 
 def prepared_call(target: Target, case: KernelCase, rank: int, device: torch.device,

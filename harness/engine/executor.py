@@ -12,8 +12,9 @@ from typing import Any, Iterator
 import torch
 
 from harness import reference
-from harness.cases.case import Case, KernelCase, LinearCase, WrapperCase
+from harness.cases.case import Case, DistillCase, KernelCase, LinearCase, WrapperCase
 from harness.engine.calls import (
+    DistillShard,
     KernelShard,
     LinearShard,
     cp_local,
@@ -219,6 +220,43 @@ def frozen_and_trainable_work(case: LinearCase, target: Target, rank: int, group
             work.total = None
         counts.append(work.total)
     return counts[0], counts[1]
+
+
+def run_distill(case: DistillCase, target: Target, rank: int, group: Any, device: torch.device,
+                obs: Observation, meter_memory: bool = True) -> None:
+    """A distillation call in the case's context: its output (and the top-k's ids), flags, the
+    student's (and a differentiable teacher's) gradient, input integrity and memory, as `run_kernel`
+    records them; without autograd, the training path's output too."""
+    inp = DistillShard.of(case, rank, device)
+    integrity = _Integrity(logits=inp.student, teacher_logits=inp.teacher, teacher_topk_log_probs=inp.topk_log_probs,
+                           indices=inp.topk_ids)
+    meter = Meter((inp.student, inp.teacher, inp.topk_log_probs, inp.topk_ids), device,
+                  meter_memory and metered(target))
+    with grad_context(case.context):
+        with watched("distill forward"), meter.forward():
+            out, ids = inp.call(target, case, group)
+        meter.outputs(out, ids)
+        obs.log_prob, obs.log_prob_meta = _detached(out), TensorMeta.of(out)
+        obs.indices, obs.indices_meta = _detached(ids), TensorMeta.of(ids)
+        obs.integrity = integrity.problems("forward")
+        obs.stage = "forward"
+        loss = inp.loss(out)
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        with watched("distill backward"), meter.backward():
+            loss.backward()
+        teacher_grad = inp.teacher.grad if inp.teacher is not None else None
+        meter.gradients(inp.grad(), teacher_grad)
+        grad = inp.grad()
+        obs.grad, obs.grad_meta = _detached(grad), TensorMeta.of(grad)
+        obs.grad_teacher = _detached(teacher_grad)
+        obs.integrity += integrity.problems("backward")
+    obs.memory = meter.figures
+    if not case.autograd and case.T > 0:
+        train = case.replace(context="train")
+        with trace.recording():
+            out, _ = DistillShard.of(train, rank, device).call(target, train, group)
+        obs.training = (_detached(out), None)
+    obs.stage = "backward"
 
 
 def wants_kernel_pass(case: Case, target: Target) -> bool:
@@ -440,6 +478,8 @@ def run_on_rank(case: Case, target: Target, rank: int, device: torch.device, cp_
                 run_kernel(case, target, rank, group, device, result.obs, meter_memory)
             elif isinstance(case, LinearCase):
                 run_linear(case, target, rank, group, device, result.obs, meter_memory)
+            elif isinstance(case, DistillCase):
+                run_distill(case, target, rank, group, device, result.obs, meter_memory)
             else:
                 with cp_queries(result.obs):
                     run_wrapper(case, target, rank, device, result.obs, cp_rank, meter_memory)

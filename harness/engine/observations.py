@@ -63,6 +63,10 @@ class Observation:
     # A two_inputs context: the second call's gradients w.r.t. its own inputs (`Case.second()`).
     grad_2: Optional[torch.Tensor] = None
     grad_hidden_2: Optional[torch.Tensor] = None
+    # Distillation level: the top-k's global ids, and the teacher's gradient (a differentiable teacher).
+    indices: Optional[torch.Tensor] = None
+    indices_meta: Optional[TensorMeta] = None
+    grad_teacher: Optional[torch.Tensor] = None
     integrity: list[str] = field(default_factory=list)  # problems with the caller's inputs after the call
     side_effects: list[str] = field(default_factory=list)  # process-global state a call left changed (`state_watch`)
     memory: dict[str, Any] = field(default_factory=dict)  # `meters.memory_meter.Meter.figures`

@@ -61,7 +61,7 @@ def finish(ns: argparse.Namespace, runner: Runner, result: dict[str, Any]) -> li
 def memory_config(case: Case) -> str:
     """Configurations as memory differs: per-rank bytes in units of T*V_local*4 do not depend on
     the TP size, they do on the input dtype and on what the entropy costs."""
-    dtype = f" {case.dtype}" if isinstance(case, KernelCase) else ""
+    dtype = f" {case.dtype}" if isinstance(case, KernelCase) or case.dtype != "fp32" else ""
     return f"{case.level}{dtype}, {case.entropy_mode}"
 
 
@@ -74,10 +74,11 @@ def memory_by_config(executed: list[Evidence], budget: dict[str, float]) -> dict
         case = ev.case
         figures = [r.obs.memory for r in ev.ranks]
         # The linear level's budget is memory-linear-retained's (no [T, V_local] at all), not a
-        # multiple of T*V_local*4: its cases are not on this table's scale.
-        if case.T == 0 or case.level == "linear" or ev.failed_ranks or not all(figures):
+        # multiple of T*V_local*4, and the distillation level is held to no budget (its memory check
+        # is memory-no-vocab-gather): their cases are not on this table's scale.
+        if case.T == 0 or case.level in ("linear", "distill") or ev.failed_ranks or not all(figures):
             continue
-        row = configs.setdefault(memory_config(case), {"cases": 0, "worst": {}})
+        row = configs.setdefault(memory_config(case), {"cases": 0, "worst": {}, "dtype": case.dtype})
         row["cases"] += 1
         for meter in memory_meter.METERS:
             got = [f[meter] for f in figures if f.get(meter) is not None]

@@ -12,7 +12,7 @@ from typing import Any
 from harness.checks.families import family_label
 from harness.checks.findings import BEYOND_USE, IN_USE, reading_order
 
-LEVELS = ("kernel", "wrapper", "linear")
+LEVELS = ("kernel", "wrapper", "linear", "distill")
 NEAR = 0.5  # error/tolerance above this is close enough to the line to be worth a look
 SHOWN_LINES = 4  # lines of a finding's message shown before "full message"
 
@@ -176,6 +176,18 @@ def not_applied(result: dict[str, Any]) -> list[dict[str, Any]]:
 MEMORY_METERS = (("retained", "retained after forward"), ("peak_forward", "peak in forward"),
                  ("peak_backward", "peak in backward"))
 MEMORY_UNIT = "x T*V_local*4 bytes per rank, beyond the O(T) allowance"
+LOGITS_BYTES = {"bf16": 2, "fp16": 2}  # the half-precision logits' bytes per entry: their own unit is smaller
+
+
+def in_logits_unit(dtype: str, values: dict[str, float]) -> str:
+    """A half-precision row's figures read in its logits' own size, T*V_local*2 (empty for float32,
+    whose own size is the table's unit)."""
+    size = LOGITS_BYTES.get(dtype)
+    if size is None or not values:
+        return ""
+    labels = dict(MEMORY_METERS)
+    figures = ", ".join(f"{labels[m]} {values[m] * 4 / size:.2f}" for m, _ in MEMORY_METERS if m in values)
+    return f"{figures} x T*V_local*{size} ({dtype})"
 
 
 def memory(result: dict[str, Any]) -> dict[str, Any] | None:
@@ -189,7 +201,8 @@ def memory(result: dict[str, Any]) -> dict[str, Any] | None:
         over = [m for m, v in values.items() if m in budget and v > budget[m]]
         top = max(row["worst"], key=lambda m: values[m] / budget.get(m, 1.0), default=None)  # nearest its budget
         rows.append({"config": name, "cases": row["cases"], "values": values, "over": bool(over),
-                     "case": row["worst"][top]["case"] if top else ""})
+                     "case": row["worst"][top]["case"] if top else "",
+                     "own": in_logits_unit(row.get("dtype", "fp32"), values)})
     declared = ", ".join(f"{m} {v:g}" for m, v in budget.items())
     return {"rows": rows, "budget": budget, "meters": MEMORY_METERS, "unit": MEMORY_UNIT,
             "note": f"Budget declared by the target (HARNESS_MEMORY_BUDGET): {declared}." if budget

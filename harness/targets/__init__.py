@@ -5,7 +5,8 @@ A spec is an importable module path (`harness.targets.fused`, `mypkg.logprobs`),
 `PREFIX:NAME` for a target namespace: a package that registers itself under the entry-point group
 `harness.target_namespaces` (the mutation catalog is `mutant:NAME`). The resolver knows no
 namespace by name. A module provides the kernel, the wrapper, the fused-linear routine
-(docs/fused-linear.md), or any of them, under the contract's names. Optional module attributes describe it further:
+(docs/fused-linear.md), any of the distillation level's four functions (docs/distill.md), or any of
+them, under the contract's names. Optional module attributes describe it further:
 
 - `HARNESS_CAPABILITIES`: dict overriding `{"entropy": True, "keep_mask": True,
   "metric_only_entropy": True, "top_p": True, "cpu": True, "eager": True, "tensor_parallel": True,
@@ -19,8 +20,9 @@ namespace by name. A module provides the kernel, the wrapper, the fused-linear r
   meter stays off and the memory checks say "not applied"); or that is not tensor-parallel, so its adapter gathers the shards at TP > 1
   (`"tensor_parallel": False`: the memory checks say "not applied" there: the gather's cost is the
   adapter's); or whose wrapper's CP backward cannot run (`"cp_gradient": False`: its CP cases run
-  without autograd). A value may be given per device, `{"cpu": False}`: a run on that device
-  fits its cases to False, any other to True;
+  without autograd). One is False unless declared: `"wrapper_half_precision"`, a wrapper that takes
+  bf16 and fp16 logits besides the contract's float32 ones. A value may be given per device,
+  `{"cpu": False}`: a run on that device fits its cases to False, any other to True;
 - `HARNESS_MEMORY_BUDGET`: dict of retained/peak budgets as multiples of `T * V_local * 4` bytes;
 - `HARNESS_USE`: the inputs the trainer's own callers never make, each entry citing the trainer's
   file and line (`harness.checks.use`): findings on them are `beyond-use`, the others `in-use`.
@@ -44,10 +46,14 @@ from types import ModuleType
 from typing import Any, Callable
 
 from harness.base.errors import TargetError
+from harness.cases.capabilities import OPT_IN
 
 KERNEL = "calculate_log_probs_and_entropy"
 WRAPPER = "get_log_probs_and_entropy"
 LINEAR = "calculate_linear_log_probs_and_entropy"
+# The distillation level (docs/distill.md): any subset of four functions, keyed by what a case calls.
+DISTILL = {"log_softmax": "distill_log_softmax", "topk": "distill_topk", "gather": "distill_gather",
+           "divergence": "distill_divergence"}
 
 
 @dataclass
@@ -61,17 +67,18 @@ class Target:
     inferred: dict[str, bool] = field(default_factory=dict)  # capabilities read off the signatures
     not_checked: dict[str, str] = field(default_factory=dict)  # level -> why its routine cannot be called
     omitted: dict[str, frozenset[str]] = field(default_factory=dict)  # level -> contract parameters it lacks
+    distill: dict[str, Callable] = field(default_factory=dict)  # the distillation level: function -> routine
     use: list[dict[str, Any]] = field(default_factory=list)  # HARNESS_USE (`harness.checks.use`)
 
     @property
     def levels(self) -> tuple[str, ...]:
-        return tuple(lvl for lvl, fn in (("kernel", self.kernel), ("wrapper", self.wrapper), ("linear", self.linear))
-                     if fn is not None)
+        return tuple(lvl for lvl, fn in (("kernel", self.kernel), ("wrapper", self.wrapper), ("linear", self.linear),
+                                         ("distill", self.distill or None)) if fn is not None)
 
     def supports(self, feature: str) -> bool:
         """Whether it has `feature`; one declared per device counts only where every device has it
         (`on` resolves it for the device of a run)."""
-        value = self.capabilities.get(feature, True)
+        value = self.capabilities.get(feature, feature not in OPT_IN)
         return all(value.values()) if isinstance(value, dict) else value
 
     def on(self, device: str) -> "Target":
@@ -134,6 +141,16 @@ CONTRACTS = {
                        dict(with_entropy=False, chunk_size=-1, with_entropy_grad=True),
                        optional={"with_entropy_grad": "metric_only_entropy"}),
 }
+DISTILL_CONTRACTS = {
+    "log_softmax": Contract(DISTILL["log_softmax"], ("logits", "tp_group"), dict(temperature=1.0, chunk_size=-1)),
+    "topk": Contract(DISTILL["topk"], ("logits", "k", "tp_group"), dict(temperature=1.0, chunk_size=-1)),
+    "gather": Contract(DISTILL["gather"], ("logits", "indices", "tp_group"),
+                       dict(temperature=1.0, chunk_size=-1, renormalize=False)),
+    "divergence": Contract(DISTILL["divergence"], ("student_logits", "tp_group"),
+                           dict(teacher_logits=None, teacher_topk_log_probs=None, teacher_topk_indices=None, k=0,
+                                kind="forward_kl", beta=0.5, temperature=1.0, renormalize=True, chunk_size=-1),
+                           keyword_only=True),
+}
 
 
 @dataclass(frozen=True)
@@ -145,9 +162,9 @@ class Fitted:
     refused: str | None = None
 
 
-def fit_signature(spec: str, level: str, fn: Any) -> Fitted:
+def fit_signature(spec: str, level: str, fn: Any, contract: Contract | None = None) -> Fitted:
     """Bind the contract's call to `fn`, leaving out the optional parameters that it does not take."""
-    contract = CONTRACTS[level]
+    contract = contract or CONTRACTS[level]
     if not callable(fn):
         return Fitted(refused=f"{spec}.{contract.name} is not callable")
     try:
@@ -182,8 +199,10 @@ def from_namespace(spec: str, ns: ModuleType | Any) -> Target:
     without it (the capability it means is inferred false); a level that cannot be called at all is
     left out and listed in `not_checked`, unless no level is left."""
     fns = {lvl: getattr(ns, c.name, None) for lvl, c in CONTRACTS.items()}
-    if all(fn is None for fn in fns.values()):
-        raise TargetError(f"{spec} defines neither {KERNEL} nor {WRAPPER} (nor {LINEAR})")
+    distill = {f: fn for f, c in DISTILL_CONTRACTS.items() if (fn := getattr(ns, c.name, None)) is not None}
+    if all(fn is None for fn in fns.values()) and not distill:
+        raise TargetError(f"{spec} defines neither {KERNEL} nor {WRAPPER} (nor {LINEAR}, nor a distillation "
+                          f"function: {', '.join(DISTILL.values())})")
     inferred: dict[str, bool] = {}
     omitted: dict[str, frozenset[str]] = {}
     not_checked: dict[str, str] = {}
@@ -196,12 +215,19 @@ def from_namespace(spec: str, ns: ModuleType | Any) -> Target:
             continue
         omitted[lvl] = fitted.omitted
         inferred.update(fitted.inferred)
-    if all(fn is None for fn in fns.values()):
+    for f, fn in list(distill.items()):
+        refused = fit_signature(spec, "distill", fn, DISTILL_CONTRACTS[f]).refused
+        if refused:
+            not_checked[f"distill {f}"] = refused
+            del distill[f]
+    if all(fn is None for fn in fns.values()) and not distill:
         raise TargetError("; ".join(not_checked.values()))
     declared = dict(getattr(ns, "HARNESS_CAPABILITIES", {}))
-    return Target(spec, fns["kernel"], fns["wrapper"], {**declared, **inferred},
+    # A distillation target without one of the four functions: cases of it are fitted to the others.
+    absent = {f"distill_{f}": False for f in DISTILL if distill and f not in distill}
+    return Target(spec, fns["kernel"], fns["wrapper"], {**declared, **inferred, **absent},
                   dict(getattr(ns, "HARNESS_MEMORY_BUDGET", {})), fns["linear"], inferred, not_checked, omitted,
-                  list(getattr(ns, "HARNESS_USE", [])))
+                  distill, list(getattr(ns, "HARNESS_USE", [])))
 
 
 _cache: dict[str, Target] = {}

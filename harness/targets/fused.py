@@ -35,6 +35,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from harness.targets.fused_distill import DISTILL_ROUTINE
 from harness.targets.fused_linear import FusedLinearSteps
 
 __all__ = [
@@ -44,6 +45,10 @@ __all__ = [
     "ROUTINE",
     "calculate_linear_log_probs_and_entropy",
     "calculate_log_probs_and_entropy",
+    "distill_divergence",
+    "distill_gather",
+    "distill_log_softmax",
+    "distill_topk",
     "get_log_probs_and_entropy",
 ]
 
@@ -599,6 +604,8 @@ class FusedLogProbEntropy:
 # What the memory checks hold this routine to (docs/memory.md), in units of T * V_local * 4 bytes
 # plus O(T): one saved float32 softmax, and the eager temporaries of an unchunked call.
 HARNESS_MEMORY_BUDGET = {"retained": 1.0, "peak_forward": 9.0, "peak_backward": 9.0}
+# Its wrapper takes bf16 and fp16 logits too: the kernel upcasts them a chunk at a time.
+HARNESS_CAPABILITIES = {"wrapper_half_precision": True}
 
 ROUTINE = FusedLogProbEntropy()
 calculate_log_probs_and_entropy = ROUTINE.calculate_log_probs_and_entropy
@@ -614,3 +621,9 @@ class FusedLinearLogProbEntropy(FusedLinearSteps, FusedLogProbEntropy):
 # The default target provides all three levels (docs/fused-linear.md).
 LINEAR_ROUTINE = FusedLinearLogProbEntropy()
 calculate_linear_log_probs_and_entropy = LINEAR_ROUTINE.calculate_linear_log_probs_and_entropy
+
+# And the distillation level (docs/distill.md), its steps in fused_distill.py.
+distill_log_softmax = DISTILL_ROUTINE.distill_log_softmax
+distill_topk = DISTILL_ROUTINE.distill_topk
+distill_gather = DISTILL_ROUTINE.distill_gather
+distill_divergence = DISTILL_ROUTINE.distill_divergence

@@ -68,10 +68,11 @@ def _through_autograd(logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, O
     tokens, keep, group, world, start = call.tokens, call.keep, call.group, call.world, call.start
     with_entropy, ent_grad = call.with_entropy, call.ent_grad
     v_local = logits.shape[-1]
-    x_all = logits.to(torch.float32)  # may alias a float32 input: out-of-place ops only
     lps, ents = [], []
     for s, e in call.chunks:
-        x = x_all[s:e]
+        # Each chunk upcast on its own (may alias a float32 input: out-of-place ops only); a float32
+        # copy of all the bf16 logits in front of the chunks is what memory-logits-dtype reports.
+        x = logits[s:e].to(torch.float32)
         local = tokens[s:e] - start
         own = (local >= 0) & (local < v_local)
         xm = None if keep is None else x.masked_fill(~effective_keep(keep[s:e], local, own), NEG_INF)
@@ -94,12 +95,15 @@ def _through_autograd(logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, O
             with torch.no_grad():
                 ents.append(_entropy(x.detach(), lse.detach(), group, world))
     # T == 0: no chunk, no collective on any rank; empties still follow the logits' autograd state.
-    log_prob = torch.cat(lps) if lps else x_all.sum(-1)
+    empty = lambda: logits.to(torch.float32).sum(-1)  # noqa: E731 - float32 empties, only when T == 0
+    log_prob = torch.cat(lps) if lps else empty()
     entropy = None
     if with_entropy:
-        entropy = torch.cat(ents) if ents else (x_all.sum(-1) if ent_grad else x_all.detach().sum(-1))
+        entropy = torch.cat(ents) if ents else (empty() if ent_grad else empty().detach())
     return log_prob, entropy
 
 
 calculate_log_probs_and_entropy = kernel_entry(_through_autograd)
 get_log_probs_and_entropy = make_wrapper(calculate_log_probs_and_entropy)
+# The shared wrapper hands bf16 and fp16 logits to the kernel as they are (docs/memory.md).
+HARNESS_CAPABILITIES = {"wrapper_half_precision": True}

@@ -47,10 +47,11 @@ def _gathered(logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, Optional[
     def full_of(shard: torch.Tensor) -> torch.Tensor:
         return shard if world == 1 else _AllGatherCols.apply(shard, group, world, start)
 
-    x_all = logits.to(torch.float32)  # may alias a float32 input: out-of-place ops only
     lps, ents = [], []
     for s, e in call.chunks:
-        x = x_all[s:e]
+        # Each chunk upcast on its own (may alias a float32 input: out-of-place ops only); a float32
+        # copy of all the bf16 logits in front of the chunks is what memory-logits-dtype reports.
+        x = logits[s:e].to(torch.float32)
         tgt = tokens[s:e]
         local = tgt - start
         own = (local >= 0) & (local < v_local)
@@ -67,12 +68,15 @@ def _gathered(logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, Optional[
             with torch.no_grad():
                 ents.append(_entropy((full if full is not None else full_of(x)).detach()))
     # T == 0: no chunk, no collective on any rank; empties still follow the logits' autograd state.
-    log_prob = torch.cat(lps) if lps else x_all.sum(-1)
+    empty = lambda: logits.to(torch.float32).sum(-1)  # noqa: E731 - float32 empties, only when T == 0
+    log_prob = torch.cat(lps) if lps else empty()
     entropy = None
     if with_entropy:
-        entropy = torch.cat(ents) if ents else (x_all.sum(-1) if ent_grad else x_all.detach().sum(-1))
+        entropy = torch.cat(ents) if ents else (empty() if ent_grad else empty().detach())
     return log_prob, entropy
 
 
 calculate_log_probs_and_entropy = kernel_entry(_gathered)
 get_log_probs_and_entropy = make_wrapper(calculate_log_probs_and_entropy)
+# The shared wrapper hands bf16 and fp16 logits to the kernel as they are (docs/memory.md).
+HARNESS_CAPABILITIES = {"wrapper_half_precision": True}

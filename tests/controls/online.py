@@ -132,3 +132,5 @@ calculate_log_probs_and_entropy = kernel_entry(_Online.apply)
 
 
 get_log_probs_and_entropy = make_wrapper(calculate_log_probs_and_entropy)
+# The shared wrapper hands bf16 and fp16 logits to the kernel as they are (docs/memory.md).
+HARNESS_CAPABILITIES = {"wrapper_half_precision": True}

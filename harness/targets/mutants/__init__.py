@@ -1,7 +1,7 @@
 """The mutation catalog: defective variants of the built-in routine, one registry entry each.
 
 A mutant is a subclass of `FusedLogProbEntropy` (or, at the fused-linear level, of
-`FusedLinearLogProbEntropy`) that overrides one step, registered with `@mutant(...)` in any module
+`FusedLinearLogProbEntropy`; at the distillation level, of `FusedDistill`) that overrides one step, registered with `@mutant(...)` in any module
 of this package (modules are discovered, so a new family of mutants is a new file). `--target
 mutant:NAME` checks it like any other target, at the contract levels it was registered for.
 """
@@ -14,8 +14,7 @@ from types import SimpleNamespace
 from typing import Callable
 
 from harness.base.errors import TargetError
-from harness.targets import KERNEL, LINEAR, WRAPPER, fused
-from harness.targets.fused import FusedLogProbEntropy
+from harness.targets import DISTILL, KERNEL, LINEAR, WRAPPER, fused
 
 ENTRY_POINTS = {"kernel": KERNEL, "wrapper": WRAPPER, "linear": LINEAR}  # level -> the routine's method
 
@@ -26,7 +25,7 @@ class Mutant:
     defect: str  # the class of defect
     expected: tuple[str, ...]  # the checks meant to kill it
     history: str  # the docs/contract.md history it re-creates, or ""
-    routine: type[FusedLogProbEntropy]
+    routine: type  # a subclass of a built-in routine (FusedLogProbEntropy, ..., FusedDistill)
     needs_baseline: bool  # only a comparison with the clean routine's baseline can see it
     tp: tuple[int, ...]  # the TP sizes at which it can be seen
     levels: tuple[str, ...] = ("kernel", "wrapper")  # the contract levels its target provides
@@ -45,7 +44,7 @@ def mutant(name: str, defect: str, expected: tuple[str, ...] | str, history: str
     """`levels`: the contract levels the mutant's target provides (a fused-linear mutant only
     "linear": its defect is in that level's steps, and the other levels would only re-run the clean
     routine)."""
-    def register(cls: type[FusedLogProbEntropy]) -> type[FusedLogProbEntropy]:
+    def register(cls: type) -> type:
         if name in CATALOG:
             raise ValueError(f"mutant {name!r} registered twice")
         exp = (expected,) if isinstance(expected, str) else tuple(expected)
@@ -66,6 +65,8 @@ def mutant_namespace(name: str) -> SimpleNamespace:
     if entry is None:
         raise TargetError(f"unknown mutant {name!r}; `python -m harness mutate --list` lists them")
     routine = entry.routine()
-    functions = {ENTRY_POINTS[lvl]: getattr(routine, ENTRY_POINTS[lvl]) for lvl in entry.levels}
+    names = [n for lvl in entry.levels for n in (DISTILL.values() if lvl == "distill" else (ENTRY_POINTS[lvl],))]
+    functions = {n: getattr(routine, n) for n in names}
     # A mutant is held to the built-in routine's declared budget: exceeding it is a defect too.
-    return SimpleNamespace(**functions, HARNESS_MEMORY_BUDGET=fused.HARNESS_MEMORY_BUDGET)
+    return SimpleNamespace(**functions, HARNESS_MEMORY_BUDGET=fused.HARNESS_MEMORY_BUDGET,
+                           HARNESS_CAPABILITIES=fused.HARNESS_CAPABILITIES)

@@ -73,3 +73,24 @@ class ForwardBuffersKept(Fused):
 class ChunkSizeIgnored(Fused):
     def chunk_size(self, args):
         return -1
+
+
+@mutant("chunked-grad-buffer-float32", "chunked backward builds the whole gradient in float32 for bf16/fp16 logits",
+        ("memory-logits-dtype",),
+        "NeMo-RL #2871/#2872 (ChunkedDistributedLogprob's backward zeroed a float32 buffer of the whole logits)")
+class ChunkedGradBufferFloat32(Fused):
+    def backward(self, ctx, grad_log_prob, grad_entropy):
+        # Every chunk's gradient lands in a float32 [T, V_local] buffer, returned as it is: autograd
+        # casts it to the logits' dtype, a second full-size copy. Free for float32 logits.
+        ctx.dtype = torch.float32
+        return super().backward(ctx, grad_log_prob, grad_entropy)
+
+
+@mutant("wrapper-logits-float32", "wrapper casts the whole logits to float32 before the chunked kernel",
+        ("memory-logits-dtype",),
+        "NeMo-RL #2871/#2872 (the caller's .to(torch.float32) of the whole logits in front of the chunked kernel)")
+class WrapperLogitsFloat32(Fused):
+    def get_log_probs_and_entropy(self, logits, **kwargs):
+        # A no-op on float32 logits; on bf16 a float32 [T, V_local] copy, whose gradient the kernel
+        # then returns in float32 too.
+        return super().get_log_probs_and_entropy(logits.float(), **kwargs)

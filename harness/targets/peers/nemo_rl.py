@@ -43,7 +43,9 @@ from harness.targets.peers._mpu import GPT_LOGITS_CONTIGUOUS, NONCONTIGUOUS, par
 
 # Its CP backward moves an index to CUDA (`AllGatherCPTensor.backward`): on CPU its CP cases run
 # without autograd, which checks the CP forward on both paths (docs/peers.md).
-HARNESS_CAPABILITIES = {"entropy": False, "keep_mask": False, "allgather_cp": False, "cp_gradient": {"cpu": False}}
+# Its trainer hands the packed log-probs bf16 logits when it chunks (`nemo_rl/algorithms/loss/utils.py`).
+HARNESS_CAPABILITIES = {"entropy": False, "keep_mask": False, "allgather_cp": False, "cp_gradient": {"cpu": False},
+                        "wrapper_half_precision": True}
 HARNESS_PEER = dict(
     requires=("nemo_rl.distributed.model_utils",),
     install="put a NeMo-RL source tree on PYTHONPATH: git clone https://github.com/NVIDIA-NeMo/RL nemo-rl "

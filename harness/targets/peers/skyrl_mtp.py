@@ -1,0 +1,90 @@
+"""SkyRL's multi-token-prediction draft losses (`skyrl/backends/skyrl_train/mtp/soft_ce.py`: `draft_soft_ce_topk` over `_VocabParallelTopkSoftCE`, `draft_soft_ce` over `_VocabParallelSoftCrossEntropy`), as its Megatron worker composes them.
+
+The worker (`skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py:719-773`) distills
+each MTP head (the student) from the policy's own detached next-token logits (the teacher): with
+`mtp_loss_topk` set, `draft_soft_ce_topk(student_logits, teacher_src, layer_mask, k,
+vocab_parallel_group=tp_grp, roll_shift=layer_idx + 1)`, the soft cross-entropy over the teacher's
+top-k with both sides renormalized over it; otherwise `draft_soft_ce(student_logits,
+build_teacher_logits(teacher_src, layer_idx), layer_mask, vocab_parallel_group=tp_grp,
+chunk_size=mtp_loss_chunk_size)` over the whole vocabulary. Each returns a masked mean over the
+positions; the adapter labels one position per call (a one-hot mask) and stacks the T results, the
+per-token soft cross-entropy `distill_divergence` returns (`kind` `soft_ce`; `topk` and `full`
+teachers; no temperature, which the worker undoes before (`:735`)). The top-k path takes its
+teacher un-rolled, as the worker hands it: the adapter puts a placeholder row before the teacher's
+rows and one after the student's, so `roll_shift=1` (MTP depth 0) aligns row t with row t.
+
+The file is loaded on its own (`_source`) with `skyrl.backends.skyrl_train.utils.torch_utils` stubbed:
+it imports jaxtyping and flash-attn, and its `masked_mean` is called only without a global
+normalisation factor; the adapter passes a factor of 1 (the one-hot mask's count), so the stub is
+never called (it raises if it is).
+
+Its trainer's use: the teacher is always detached (`soft_ce.py:17-20` asserts it), so
+`HARNESS_CAPABILITIES` has no differentiable teacher; the logits are the models' raw outputs, never
+-inf (padded vocabulary columns are sliced off first, `megatron_model_wrapper.py:740-746`);
+`mtp_loss_topk` is far below a shard's width. `HARNESS_USE` lists the cases beyond its use.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from harness.targets.peers._source import PeerSource, missing
+
+
+def _never(*args: Any, **kwargs: Any) -> Any:
+    raise NotImplementedError("skyrl...torch_utils.masked_mean is stubbed by the adapter, which always passes "
+                              "a global normalisation factor")
+
+
+HOW = ("git clone https://github.com/NovaSky-AI/SkyRL && export PYTHONPATH=$PWD/SkyRL:$PYTHONPATH "
+       "(mtp/soft_ce.py needs torch only)")
+SOURCE = PeerSource("SkyRL-mtp", files=("skyrl/backends/skyrl_train/mtp/soft_ce.py",),
+                    markers=("skyrl/backends",), how=HOW,
+                    stubs={"skyrl.backends.skyrl_train.utils.torch_utils": {"masked_mean": _never}})
+HARNESS_CAPABILITIES = {"distill_log_softmax": False, "distill_topk": False, "distill_gather": False,
+                        "given_teacher": False, "forward_kl": False, "reverse_kl": False, "jsd": False,
+                        "mixed": False, "unnormalized": False, "teacher_grad": False, "temperature": False}
+HARNESS_PEER = dict(requires=("skyrl",), install=HOW, upstream=(
+    "skyrl.backends.skyrl_train.mtp.soft_ce.draft_soft_ce_topk",
+    "skyrl.backends.skyrl_train.mtp.soft_ce.draft_soft_ce"))
+HARNESS_USE = [
+    {"where": {"regime": "neginf"},
+     "why": "the policy's and the MTP heads' logits are raw model outputs, the padded vocabulary's columns sliced "
+            "off first: skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py:740-746"},
+]
+
+_SC = SOURCE.load()  # None without SkyRL's tree on sys.path; RoutineMissing when this commit lacks the file
+if _SC is not None:
+    missing(SOURCE, _SC, "draft_soft_ce_topk", "draft_soft_ce")
+
+
+def distill_divergence(student_logits, tp_group, *, teacher_logits=None, teacher_topk_log_probs=None,
+                       teacher_topk_indices=None, k=0, kind="forward_kl", beta=0.5, temperature=1.0,
+                       renormalize=True, chunk_size=-1):
+    """The per-token soft cross-entropy of `draft_soft_ce_topk` (k > 0) or `draft_soft_ce` (k <= 0)."""
+    if kind != "soft_ce" or teacher_logits is None or temperature != 1.0 or not renormalize:
+        raise NotImplementedError("SkyRL's draft losses are soft cross-entropies from teacher logits, "
+                                  "renormalized over a top-k, without temperature (HARNESS_CAPABILITIES)")
+    sc = SOURCE.require(_SC)
+    rows, v_local = student_logits.shape
+    one = torch.ones((), device=student_logits.device)
+    if k > 0:  # the worker's un-rolled teacher and roll_shift = 1: a placeholder row on each side
+        student = torch.cat([student_logits, student_logits.new_zeros((1, v_local))]).unsqueeze(0)
+        teacher = torch.cat([teacher_logits.new_zeros((1, v_local)), teacher_logits]).unsqueeze(0)
+    else:
+        student, teacher = student_logits.unsqueeze(0), teacher_logits.unsqueeze(0)
+    per_token = []
+    for t in range(rows):
+        mask = torch.zeros(student.shape[:2], device=student.device)
+        mask[0, t] = 1.0
+        if k > 0:
+            loss = sc.draft_soft_ce_topk(student, teacher, mask, k, global_normalization_factor=one,
+                                         vocab_parallel_group=tp_group, roll_shift=1)
+        else:
+            loss = sc.draft_soft_ce(student, teacher, mask, global_normalization_factor=one,
+                                    vocab_parallel_group=tp_group, chunk_size=chunk_size if chunk_size > 0 else None)
+        per_token.append(loss)
+    if not per_token:
+        return student_logits.float().sum(-1)
+    return torch.stack(per_token)

@@ -1,0 +1,79 @@
+"""verl's Megatron top-k forward KL (`verl/trainer/distillation/megatron/losses.py::_VocabParallelKLDivergence`), as its distillation loss composes it.
+
+With `loss_mode="forward_kl_topk"` on the Megatron strategy, verl's logits processor
+(`verl/trainer/distillation/losses.py:124-156`) calls `compute_forward_kl_topk(student_logits,
+teacher_topk_log_probs, teacher_topk_ids, config, data_format)` on the student's vocab-sharded
+logits and a teacher pass's top-k log-probs and global ids (vLLM's, over the whole vocabulary, not
+renormalized). That splits the teacher's tensors over the CP ranks (the identity at CP 1) and calls
+`_VocabParallelKLDivergence.apply(student_logits, teacher_topk_log_probs, teacher_topk_ids,
+log_prob_min_clamp)`, whose first output is the per-token `Σ_{v in S} q_v (log q_v - log p_v)` with
+the student's whole-vocabulary log-probs `p` and the teacher's as given: the contract's `forward_kl`
+from a `given` teacher without renormalization. The adapter calls the autograd function with
+`[1, T, V_local]` logits and the `[1, T, k]` teacher, as `compute_forward_kl_topk` does at CP 1.
+
+`log_prob_min_clamp`: verl's default is -10.0 (`verl/workers/config/distillation.py:70`), which clamps
+log-probs below -10 (and drops their gradient): a deliberate bound on the KL's terms, not the KL.
+The harness's rows put much of their tail below -10 (a planted top entry 8 above the rest), so the
+adapter runs the function with `log_prob_min_clamp=None`, which verl's config allows ("If None, no
+clamping is applied", `distillation.py:45-47`), and checks the KL itself.
+
+The file is loaded on its own (`_source`) with `verl.models.mcore.util` (its CP splitters, which
+import verl's device utilities) and `verl.workers.config` (two config classes named in annotations)
+stubbed: neither is reached by the autograd function. The TP group is `parallel_state`'s (the
+adapter checks it is the harness's); megatron-core provides `calculate_logits_max` (compiled:
+`"eager": False`, so the memory checks say "not applied") and `VocabUtility`.
+
+Its trainer's use: the student's logits are the model's raw output (`verl/workers/engine/megatron/
+transformer_impl.py`), never -inf; the teacher's log-probs come from its rollout engine's top-k
+(`data["teacher_logprobs"]`, `losses.py:152`). `HARNESS_USE` lists the cases beyond its use.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from harness.targets.peers._mpu import parallel_state_group
+from harness.targets.peers._source import PeerSource, missing
+
+
+def _unused(*args: Any, **kwargs: Any) -> Any:
+    raise NotImplementedError("stubbed by the adapter: the autograd function never calls it")
+
+
+HOW = ("git clone https://github.com/verl-project/verl && export PYTHONPATH=$PWD/verl:$PYTHONPATH "
+       "(its Megatron distillation losses need torch and megatron-core only)")
+SOURCE = PeerSource("verl-distillation", files=("verl/trainer/distillation/megatron/losses.py",),
+                    markers=("verl/trainer",), how=HOW, stubs={
+                        "verl.models.mcore.util": {"preprocess_bshd_engine": _unused, "preprocess_thd_engine": _unused},
+                        "verl.workers.config": {"DistillationConfig": object, "DistillationLossConfig": object}})
+HARNESS_CAPABILITIES = {"distill_log_softmax": False, "distill_topk": False, "distill_gather": False,
+                        "full_teacher": False, "topk_teacher": False, "reverse_kl": False, "jsd": False,
+                        "mixed": False, "soft_ce": False, "renormalized": False, "temperature": False,
+                        "teacher_grad": False, "eager": False}
+# Each new shape compiles megatron-core's calculate_logits_max (`@jit_fuser`, torch.compile): a
+# second or more a case on two cores, so `harness peers` checks it at the smoke profile.
+HARNESS_PEER = dict(requires=("megatron.core", "verl"), install=HOW, profile="smoke", upstream=(
+    "verl.trainer.distillation.megatron.losses._VocabParallelKLDivergence",))
+HARNESS_USE = [
+    {"where": {"regime": "neginf"},
+     "why": "the student's logits are the Megatron model's raw output, never -inf: "
+            "verl/trainer/distillation/losses.py:150-156"},
+]
+
+_LOSSES = SOURCE.load()  # None without verl's tree on sys.path; RoutineMissing when this commit lacks the file
+if _LOSSES is not None:
+    missing(SOURCE, _LOSSES, "_VocabParallelKLDivergence")
+
+
+def distill_divergence(student_logits, tp_group, *, teacher_logits=None, teacher_topk_log_probs=None,
+                       teacher_topk_indices=None, k=0, kind="forward_kl", beta=0.5, temperature=1.0,
+                       renormalize=True, chunk_size=-1):
+    """The per-token forward KL of `_VocabParallelKLDivergence` from a teacher pass's top-k."""
+    if teacher_topk_log_probs is None or teacher_topk_indices is None or kind != "forward_kl" or renormalize \
+            or temperature != 1.0:
+        raise NotImplementedError("verl's Megatron top-k loss is the forward KL from a teacher pass's top-k log-probs, "
+                                  "without renormalization or temperature (HARNESS_CAPABILITIES)")
+    parallel_state_group(tp_group, "verl's _VocabParallelKLDivergence")
+    losses = SOURCE.require(_LOSSES)
+    per_token, *_ = losses._VocabParallelKLDivergence.apply(
+        student_logits.unsqueeze(0), teacher_topk_log_probs.unsqueeze(0), teacher_topk_indices.unsqueeze(0), None)
+    return per_token[0]
