@@ -25,6 +25,8 @@ from harness.driver import torchrun
 from harness.driver.limits import HANG_SHRINK_BUDGET_S, HANG_SHRINK_MAX_CASES, RunLimits, hung
 from harness.driver.runner import Runner
 
+CORPUS_BY_NAME = {entry.name: entry for entry in CORPUS}
+
 
 class _Stop(Exception):
     pass
@@ -44,34 +46,44 @@ def strategy_for(runner: Runner, level: str, tps: Iterable[int], dp: int = 1, cp
                                    keep_mask=t.supports("keep_mask"), dp=st.just(dp), **extra)
 
 
+def corpus_cases(levels: Iterable[str], tps: Iterable[int]) -> list[tuple[str, Case]]:
+    """The regression corpus's entries of these levels, in its order, each as (name, case) at a TP
+    size asked for (a case at another size moves to the largest)."""
+    tps, levels = sorted(tps), set(levels)
+    return [(entry.name, entry.case if entry.case.tp in tps else entry.case.replace(tp=tps[-1]))
+            for entry in CORPUS if entry.case.level in levels]
+
+
+def corpus_entry(runner: Runner, case: Case, limits: RunLimits | None = None) -> tuple[str | None, list[Finding]]:
+    """One corpus case: (why it is not run, []) or (None, its findings, explained)."""
+    if getattr(case, "cp", 1) > 1 and torchrun.active():
+        return "a launched world has no context-parallel groups: run CP cases without the launcher", []
+    if limits is not None and not runner.has_run(case) and limits.skip(case, unshrunk=True):
+        return limits.skip_reason(case, unshrunk=True), []
+    ev, fs = runner.check(case)
+    findings = runner.explain(fs)
+    if limits is not None:
+        limits.observe(ev)
+        limits.record(fs)
+    return None, findings
+
+
 def run_corpus(runner: Runner, tps: Iterable[int], progress: Callable[[str], None] = lambda s: None,
                stop: Callable[[list[Finding]], bool] | None = None, limits: RunLimits | None = None,
                levels: Iterable[str] | None = None) -> list[Finding]:
     """The regression corpus, at the TP sizes asked for (cases at other sizes move to the largest);
     `stop` ends it early once the findings so far satisfy it; `levels`: only these levels' entries."""
-    tps = sorted(tps)
     levels = runner.target.levels if levels is None else [lv for lv in levels if lv in runner.target.levels]
     findings: list[Finding] = []
-    for entry in CORPUS:
-        case = entry.case
-        if case.level not in levels:
+    for name, case in corpus_cases(levels, tps):
+        skipped, fs = corpus_entry(runner, case, limits)
+        if skipped:
+            progress(f"corpus {name}: skipped ({skipped})")
             continue
-        if case.tp not in tps:
-            case = case.replace(tp=tps[-1])
-        if getattr(case, "cp", 1) > 1 and torchrun.active():
-            progress(f"corpus {entry.name}: skipped (a launched world has no context-parallel groups: "
-                     f"run CP cases without the launcher)")
-            continue
-        if limits is not None and not runner.has_run(case) and limits.skip(case, unshrunk=True):
-            progress(f"corpus {entry.name}: skipped ({limits.skip_reason(case, unshrunk=True)})")
-            continue
-        ev, fs = runner.check(case)
-        findings += runner.explain(fs)
-        if limits is not None:
-            limits.observe(ev)
-            limits.record(fs)
-        moved = f" (ran at TP {case.tp}: its TP {entry.case.tp} was not asked for)" if case.tp != entry.case.tp else ""
-        progress(f"corpus {entry.name}{moved}: {'ok' if not fs else ', '.join(sorted({f.check for f in fs}))}")
+        findings += fs
+        tp = CORPUS_BY_NAME[name].case.tp
+        moved = f" (ran at TP {case.tp}: its TP {tp} was not asked for)" if case.tp != tp else ""
+        progress(f"corpus {name}{moved}: {'ok' if not fs else ', '.join(sorted({f.check for f in fs}))}")
         if (stop is not None and stop(findings)) or (limits is not None and limits.reached()):
             break
     return findings
