@@ -40,6 +40,7 @@ NO_TARGET = ("harness: error: no target: name the routine to check with --harnes
 LAUNCHED = pytest.StashKey[Any]()  # the torchrun world rank 0 drives
 EXITSTATUS = pytest.StashKey[int]()
 KNOWN_RUNNER = pytest.StashKey[Any]()  # the runner whose known findings the summary lists
+RUNNER = pytest.StashKey[Any]()  # the session's runner, whose infrastructure events the summary lists
 PARTIAL = pytest.StashKey[str]()  # why the session did not run every case of the suite (no entry is stale)
 
 
@@ -226,6 +227,11 @@ def _stale(config: pytest.Config, runner: Any) -> list:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    events = getattr(config.stash.get(RUNNER, None), "events", [])
+    if events:
+        terminalreporter.section("harness infrastructure events (not findings)")
+        for event in events:
+            terminalreporter.write_line(event)
     runner = config.stash.get(KNOWN_RUNNER, None)
     if runner is None:
         return
@@ -275,6 +281,7 @@ def harness_runner(request: pytest.FixtureRequest, harness_pools):
 
     try:
         runner = Runner.for_run(run_config(request.config, harness_pools))
+        request.config.stash[RUNNER] = runner
         if runner.verdicts.known.path:
             request.config.stash[KNOWN_RUNNER] = runner
     except HarnessError as e:

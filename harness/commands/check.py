@@ -101,6 +101,8 @@ def cmd_check(ns: argparse.Namespace, cfg: RunConfig) -> int:
           f"{len(findings)} finding(s)")
     for line in limits.summary():
         print(line)
+    for event in runner.events:
+        print(f"infrastructure event, not a finding: {event}")
     if limits.reached():
         print(f"stopped after {len(limits.found)} finding(s) (--max-findings {limits.max_findings})")
     for block in finding_blocks(findings, ns.json):

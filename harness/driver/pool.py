@@ -92,6 +92,7 @@ class WorkerPool:
         self.restarts = 0
         self.job_seconds: deque[float] = deque(maxlen=101)  # jobs every rank answered; survives restarts
         self.stuck_events = 0
+        self.killed: set[int] = set()  # pids this pool killed itself (`close`): their death is not the routine's
         self.parked = False
         self._submitted = self._deadline = 0.0  # the job in flight (`submit`)
         self.idle_since: float | None = None  # when its last job was collected; None while one is in flight
@@ -155,6 +156,7 @@ class WorkerPool:
                       self.collective_timeout_s, os.getpid(), self.tp, self.board, self.cp))
             p.start()
             child.close()
+            self.killed.discard(p.pid)  # a pid used again
             self.procs.append(p)
             self.conns.append(parent)
         lifecycle._LIVE.add(self)
@@ -249,7 +251,8 @@ class WorkerPool:
                     sentinels.pop(obj)
                     self.procs[r].join(1.0)  # reap it, so the exit code is known
                     exit_code = self.procs[r].exitcode
-                    replies[r] = self._result(r, f"{self.name(r)} died (exit code {exit_code})", "died")
+                    by_us = " (killed by the harness)" if self.procs[r].pid in self.killed else ""
+                    replies[r] = self._result(r, f"{self.name(r)} died (exit code {exit_code}){by_us}", "died")
             if board is not None and pending:
                 now = time.monotonic()
                 running = sorted(pending.values())
@@ -378,6 +381,7 @@ class WorkerPool:
             p.join(max(0.0, deadline - time.monotonic()))
         for p in self.procs:
             if p.is_alive():
+                self.killed.add(p.pid)
                 p.kill()
                 p.join(5)
         for conn in self.conns:

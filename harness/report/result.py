@@ -25,6 +25,7 @@ def result_json(runner: Runner, findings: list[Finding], elapsed: float, extra: 
         "cases_per_s": round(runner.cases_run / runner.run_seconds, 2) if runner.run_seconds else None,
         "memory_ledger": memory_meter.ledger_name(),  # "cpp" or "python" (HARNESS_LEDGER)
         "findings": [f.to_json() for f in findings], "checks": checks,
+        "infrastructure_events": list(runner.events),  # not findings: a rank that died once, not again
         "bitwise": {config: {n: {"checked": c, "held": h} for n, (c, h) in got.items()}
                     for config, got in sorted(runner.verdicts.properties.items())} if runner.verdicts.properties else None,
         **extra,
