@@ -69,6 +69,12 @@ class Session:
         self.limits = RunLimits(1 if first_only else None)
         self._done: dict[str, dict[str, CheckOutcome]] = {}
 
+    def reported(self, findings: list[Finding]) -> list[Finding]:
+        """The findings as `check` reports them: one per hang class, a finding on another hung case
+        of a class folded into the one reported for it (`RunLimits.final`, as things stand when
+        the test reads them)."""
+        return self.limits.final(findings)
+
     @property
     def stopped(self) -> bool:
         """Whether the session's first finding ended its exploration (`pytest -x`)."""

@@ -82,21 +82,22 @@ def test_corpus(harness_session: Session, request: pytest.FixtureRequest, corpus
     skipped, outcomes = harness_session.corpus(name, case)
     if skipped:
         pytest.skip(f"corpus {name}: {skipped}")
-    _conclude(request, [f for o in outcomes.values() for f in o.findings],
+    _conclude(request, harness_session.reported([f for o in outcomes.values() for f in o.findings]),
               [n for n, o in outcomes.items() if o.known], f"the corpus's {name}")
 
 
 def test_check(harness_session: Session, request: pytest.FixtureRequest, check_name: str, step: Step) -> None:
     target = request.getfixturevalue("harness_runner").target
     outcome: CheckOutcome = harness_session.step(step, set(_checks_of(request.config, target, step)))[check_name]
-    if not outcome.findings and not outcome.known and harness_session.stopped:
+    findings = harness_session.reported(outcome.findings)
+    if not findings and not outcome.known and harness_session.stopped:
         pytest.skip(f"{check_name} on {step.id}: not concluded, the exploration stopped at the session's first "
                     f"finding (-x)")
     if not outcome.applied and not outcome.findings and not outcome.known:
         why = "; ".join(f"{n} case(s) {note}" for note, n in sorted(outcome.not_applied.items()))
         pytest.skip(f"{check_name}: applied to none of the {step.cases} {step.id} cases drawn"
                     + (f" ({why})" if why else ""))
-    _conclude(request, outcome.findings, [check_name] if outcome.known else [], f"{check_name} on {step.id}")
+    _conclude(request, findings, [check_name] if outcome.known else [], f"{check_name} on {step.id}")
 
 
 def _conclude(request: pytest.FixtureRequest, findings: list, known: list[str], what: str) -> None:

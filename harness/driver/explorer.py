@@ -9,8 +9,8 @@ skipped once it is shrunk, shrinking a hang has a budget, and the run stops at `
 """
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 
 from hypothesis import given
 from hypothesis import seed as hyp_seed
@@ -22,10 +22,36 @@ from harness.cases.profiles import Profile, explore_settings
 from harness.cases.strategies import LEVEL_STRATEGIES
 from harness.checks.findings import Finding
 from harness.driver import torchrun
-from harness.driver.limits import HANG_SHRINK_BUDGET_S, HANG_SHRINK_MAX_CASES, RunLimits, hung
+from harness.driver.limits import HANG_SHRINK_MAX_CASES, RunLimits, hung
 from harness.driver.runner import Runner
 
 CORPUS_BY_NAME = {entry.name: entry for entry in CORPUS}
+
+
+@contextlib.contextmanager
+def draws_of_the_seed() -> Iterator[None]:
+    """While exploring: Hypothesis without its "local constants". Besides its own fixed constants,
+    Hypothesis draws literals it finds in the modules loaded at the time (every module outside
+    site-packages and test folders: an editable install's harness, the target's tree, a user's
+    code), so one seed would draw different cases in `check` and in a pytest session, which load
+    different modules. Without them (and without the cache of them another test of the session
+    may have filled), a seed draws the same cases in any process. A Hypothesis without local
+    constants has nothing to set aside."""
+    try:
+        from hypothesis.internal.conjecture import providers
+        from hypothesis.internal.constants_ast import Constants
+
+        saved = providers._get_local_constants, providers.CONSTANTS_CACHE
+        fresh = type(saved[1])(1024)
+    except (ImportError, AttributeError, TypeError):
+        yield
+        return
+    none = Constants()
+    providers._get_local_constants, providers.CONSTANTS_CACHE = (lambda: none), fresh
+    try:
+        yield
+    finally:
+        providers._get_local_constants, providers.CONSTANTS_CACHE = saved
 
 
 class _Stop(Exception):
@@ -105,19 +131,17 @@ def explore(runner: Runner, level: str, tps: Iterable[int], max_examples: int, s
     for round_ in range(len(only or runner.checks) + 1):
         collected: list[Finding] = []
         count = [0]
-        hang_shrink = {"on": False, "seconds": 0.0, "cases": 0}
+        hang_shrink = {"on": False, "cases": 0}
 
         @hyp_seed(seed * 1000 + round_)
         @explore_settings(max_examples, shrink)
         @given(strategy)
         def probe(case):
             if limits is not None and not runner.has_run(case):
-                if hang_shrink["on"] and (hang_shrink["seconds"] >= HANG_SHRINK_BUDGET_S
-                                          or hang_shrink["cases"] >= HANG_SHRINK_MAX_CASES):
+                if hang_shrink["on"] and hang_shrink["cases"] >= HANG_SHRINK_MAX_CASES:
                     return  # shrinking budget spent: the smallest hanging case so far is the finding
                 if limits.skip(case):
                     return
-            start = time.perf_counter()
             ev, findings = runner.check(case, only=only)
             count[0] += 1
             if count[0] % 25 == 0:
@@ -125,7 +149,6 @@ def explore(runner: Runner, level: str, tps: Iterable[int], max_examples: int, s
             if limits is not None:
                 limits.observe(ev)
                 if hang_shrink["on"] and hung(ev):
-                    hang_shrink["seconds"] += time.perf_counter() - start
                     hang_shrink["cases"] += 1
             new = [f for f in findings if f.check not in known]
             if new and shrink:
@@ -138,7 +161,8 @@ def explore(runner: Runner, level: str, tps: Iterable[int], max_examples: int, s
                 raise _Stop
 
         try:
-            probe()
+            with draws_of_the_seed():
+                probe()
         except _Stop:
             pass
         except _NewFailure as failure:  # re-raised by Hypothesis from the shrunk example
