@@ -92,10 +92,10 @@ def _run_peer(peer: Peer, ns: argparse.Namespace, workdir: Path) -> dict[str, An
 
 def _said(row: dict[str, Any]) -> str:
     """A finished peer's line: its result and its time."""
-    spent = f"{row['elapsed_s']} s wall, {row['cpu_s']} s CPU (profile {row['profile']})"
+    spent = f"{row['elapsed_s']} s wall, {row['cpu_s']} s CPU (profile {row['profile']})" if "elapsed_s" in row else ""
     if row["status"] == "ran":
         return f"{row['cases']} cases, {row['findings']} new and {row['known_findings']} known findings; {spent}"
-    return f"{row['status']}: {row['reason']}" + (f"; {spent}" if "elapsed_s" in row else "")
+    return f"{row['status']}: {row['reason']}" + (f"; {spent}" if spent else "")
 
 
 def cmd_peers(ns: argparse.Namespace, cfg: options.RunConfig) -> int:

@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import seed as hyp_seed
 from hypothesis import strategies as st
 
+from harness.base.errors import HarnessError
 from harness.cases.case import Case
 from harness.cases.corpus import CORPUS
 from harness.cases.profiles import Profile, explore_settings
@@ -56,6 +57,15 @@ def draws_of_the_seed() -> Iterator[None]:
 
 class _Stop(Exception):
     pass
+
+
+class _Infrastructure(BaseException):
+    """An error of the harness's own (a pool that cannot start) raised inside a Hypothesis run: a
+    BaseException, so Hypothesis passes it on at once instead of shrinking it as a failure of the
+    routine (and meeting the pool it left closed)."""
+    def __init__(self, error: HarnessError):
+        super().__init__(str(error))
+        self.error = error
 
 
 class _NewFailure(Exception):
@@ -142,7 +152,10 @@ def explore(runner: Runner, level: str, tps: Iterable[int], max_examples: int, s
                     return  # shrinking budget spent: the smallest hanging case so far is the finding
                 if limits.skip(case):
                     return
-            ev, findings = runner.check(case, only=only)
+            try:
+                ev, findings = runner.check(case, only=only)
+            except HarnessError as e:
+                raise _Infrastructure(e) from None
             count[0] += 1
             if count[0] % 25 == 0:
                 progress(f"{label}: {count[0]} cases")
@@ -165,6 +178,8 @@ def explore(runner: Runner, level: str, tps: Iterable[int], max_examples: int, s
                 probe()
         except _Stop:
             pass
+        except _Infrastructure as stopped:
+            raise stopped.error from None
         except _NewFailure as failure:  # re-raised by Hypothesis from the shrunk example
             for f in runner.explain(failure.findings):
                 f.shrunk = True

@@ -93,6 +93,7 @@ class WorkerPool:
         self.job_seconds: deque[float] = deque(maxlen=101)  # jobs every rank answered; survives restarts
         self.stuck_events = 0
         self.killed: set[int] = set()  # pids this pool killed itself (`close`): their death is not the routine's
+        self.events: list[str] = []  # what went wrong in the infrastructure and was recovered (`restart`)
         self.parked = False
         self._submitted = self._deadline = 0.0  # the job in flight (`submit`)
         self.idle_since: float | None = None  # when its last job was collected; None while one is in flight
@@ -362,9 +363,16 @@ class WorkerPool:
         return self.call(fn_path, [args] * self.world, deadline, while_waiting)
 
     def restart(self, grace_s: float = 2.0) -> None:
+        """New ranks for the old. A rebuild that fails to start (its ranks' process groups could not
+        connect: "Connection refused" on a loaded machine) is tried once more before it is an error,
+        and said in `events`: a pool the run cannot rebuild ends it (exit 2), never a case's verdict."""
         self.close(grace_s)
         self.restarts += 1
-        self.start()
+        try:
+            self.start()
+        except PoolStartError as e:
+            self.events.append(f"a rebuilt pool failed to start and was started again: {e}")
+            self.start()
 
     def close(self, grace_s: float = 2.0) -> None:
         """Ask every rank to exit, wait up to `grace_s` for them to, then kill the rest."""

@@ -228,6 +228,8 @@ class Runner:
             self._called_on.add(_workers(pool))  # a rebuilt pool's new workers start afresh
             if _deaths(results):
                 results = self._rerun_death(case, pool, meter_memory, results)
+            self.events += pool.events
+            pool.events.clear()
         self.cases_run += 1
         if _needs_rebuild(results) and pool.procs:
             pool.restart()
