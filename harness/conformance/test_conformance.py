@@ -17,14 +17,15 @@ from harness.cases.profiles import PROFILES
 from harness.checks import all_checks
 from harness.conformance.exploration import CheckOutcome, Session, Step, steps
 from harness.driver.explorer import corpus_cases
-from harness.plugin import launched, target_spec, value
+from harness.plugin import launched, target_spec, unrewritten_imports, value
 from harness.report.console import finding_blocks
 from harness.targets import load_target
 
 
 def _target(config: pytest.Config):
     try:
-        return load_target(target_spec(config))
+        with unrewritten_imports():  # the target's import, and its trainer's stack
+            return load_target(target_spec(config))
     except TargetError as e:
         raise pytest.UsageError(f"harness: error: {e}") from None
 
