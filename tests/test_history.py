@@ -138,6 +138,31 @@ def test_a_commit_whose_peer_does_not_import_here_is_untestable(tmp_path, capsys
                              "ModuleNotFoundError: No module named 'a_module_that_does_not_exist'")
 
 
+def test_a_module_without_any_contract_function_is_refused_at_once(repo, tmp_path, capsys):
+    """A trainer's own module (verl's tensor_parallel.py) holds none of the contract's functions in
+    any commit: every commit would be untestable, each after a check's start-up. Refused before
+    any commit is checked, with the way to check it (an adapter, with --paths); a file target
+    without --paths is refused saying what to give."""
+    path = tmp_path / "trainer"
+    (path / "pkg").mkdir(parents=True)
+    _git(path, "init", "-q")
+    (path / "pkg" / "__init__.py").write_text("")
+    for body in ("def vocab_parallel_entropy(logits):\n    pass\n", "def vocab_parallel_log_probs(logits):\n    pass\n"):
+        (path / "pkg" / "ops.py").write_text(body)
+        _git(path, "add", ".")
+        _git(path, "commit", "-q", "-m", "ops")
+    start = time.monotonic()
+    assert main(["history", str(path), "--target", "pkg.ops", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert time.monotonic() - start < 30 and not (tmp_path / "out").exists()
+    assert "pkg.ops defines none of the contract's functions" in err and "in any of the 2 commit(s)" in err, err
+    assert "--paths pkg/ops.py" in err
+    repo_path, _ = repo
+    assert main(["history", str(repo_path), "--target", str(repo_path / "lp.py")]) == 2
+    assert "is a file: history cannot tell which of the repository's files its commits change; name them with " \
+           "--paths" in capsys.readouterr().err
+
+
 MARK = "HARNESS_HISTORY_TEST_RUN"  # in the environment of every process a run below starts
 
 

@@ -101,7 +101,7 @@ def test_pytest_known_findings_are_xfails(tmp_path):
     def suite(*extra: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "harness.conformance", "-p", "no:cacheprovider",
                                "--harness-profile", "smoke", "--harness-target", MUTANT, "--harness-tp", "2", "-k",
-                               "entropy-coef-rule and wrapper-tp2", "--harness-known", known, "-rx", *extra], cwd=tmp_path, env=env, capture_output=True, text=True,
+                               "coef-zero-metric-only", "--harness-known", known, "-rx", *extra], cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=240)
 
     run = suite()
@@ -123,3 +123,19 @@ def test_documented_example_gates_the_neginf_defect(harness_pools, capsys):
     assert main(argv + ["--target", "harness.targets.fused"], pools=harness_pools) == 0
     assert "STALE known entry" in capsys.readouterr().out
     assert main(argv + ["--target", "harness.targets.fused", "--strict"], pools=harness_pools) == 1
+
+
+@pytest.mark.distributed
+def test_a_stopped_run_calls_no_entry_stale(harness_pools, capsys, tmp_path):
+    """`-x` stops at the first finding: an entry the run never reached matched nothing, but is not
+    stale; the JSON lists no stale entry and says the run stopped."""
+    known = str(Path(__file__).resolve().parents[1] / "docs" / "examples" / "known-neginf.toml")
+    out_json = tmp_path / "r.json"
+    argv = ["check", "--target", MUTANT, "--tp", "1,2", "--profile", "smoke", "-q", "-x", "--known", known,
+            "--json", str(out_json)]
+    assert main(argv, pools=harness_pools) == 1  # the mutant's first finding, new
+    out = capsys.readouterr().out
+    assert "STALE" not in out, out[-2000:]
+    assert "1 known entry matched nothing before the run stopped; not reported as stale" in out
+    result = json.loads(out_json.read_text())
+    assert result["known"]["stale"] == [] and result["known"]["stopped"] is True

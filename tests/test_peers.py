@@ -476,3 +476,47 @@ def test_a_tree_whose_routine_does_not_import_here_is_refused_not_run(tmp_path, 
     tree("hangs", "import time\ntime.sleep(60)\n")
     assert absent_here("fake_adapter") == "fake_adapter: fakepeer.ops cannot be imported here: " \
                                           "its import did not finish within 1 s"
+
+
+def test_a_folder_named_like_the_peer_is_not_the_peer(tmp_path, monkeypatch) -> None:
+    """A folder of the peer's package name in the current directory (a namespace package holding none
+    of its modules) does not make the peer present: `peers --list` and `peers` say its routine is not
+    here, instead of checking it and reporting its ImportError on every case."""
+    import sys
+
+    from harness.commands.peers import _why_not
+    from harness.targets.peers import Peer, absent_here
+
+    (tmp_path / "fakepeer").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(sys.modules, "fake_adapter", SimpleNamespace(HARNESS_PEER=dict(
+        requires=("fakepeer",), install="pip install fakepeer", upstream=("fakepeer.ops.log_probs",))))
+    why = absent_here("fake_adapter")
+    assert why and "none of its routines" in why and "log_probs in fakepeer.ops" in why, why
+    peer = Peer("fake", "fake_adapter", ("fakepeer",), "pip install fakepeer", ("fakepeer.ops.log_probs",), "", False, None)
+    assert (_why_not(peer, "cpu") or "").startswith("its routine is not here: "), _why_not(peer, "cpu")
+
+
+def test_peers_exits_as_check_does(tmp_path, monkeypatch) -> None:
+    """0 without a new finding on any peer, 1 with one, 2 when a peer's run gave no result."""
+    from harness.cli import main
+    from harness.commands import peers as command
+    from harness.report import matrix
+
+    outcome = {"status": "ran", "findings": 0}
+    cells = matrix.peer_cells({"checks": {}})  # every family, none applied
+
+    def run(peer, ns, workdir):
+        (workdir / f"{peer.name}.json").write_text("{}")
+        if outcome["status"] != "ran":
+            return {"status": "error", "reason": "did not finish within --peer-timeout 1800 s"}
+        return {"status": "ran", "cases": 3, "elapsed_s": 1.0, "cpu_s": 1.0, "profile": "smoke", "cells": cells,
+                "findings": outcome["findings"], "known_findings": 1, "command": "check"}
+    monkeypatch.setattr(command, "_run_peer", run)
+    monkeypatch.setattr(command, "_why_not", lambda peer, device: None)
+    argv = ["peers", "--only", "megatron", "--out", str(tmp_path / "m")]
+    assert main(argv) == 0
+    outcome["findings"] = 2
+    assert main(argv) == 1
+    outcome["status"] = "error"
+    assert main(argv) == 2

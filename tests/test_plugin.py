@@ -63,7 +63,7 @@ def _documented_example() -> str:
 
 def test_documented_example_passes_with_junit_xml(outside: Path) -> None:
     (outside / "my_logprobs.py").write_text(_documented_example())
-    run = _suite(outside, "--harness-target", "my_logprobs", "--harness-tp", "1,2", "-k", "values and kernel-tp2",
+    run = _suite(outside, "--harness-target", "my_logprobs", "--harness-tp", "2", "-k", "values and kernel-tp2",
                  "--junitxml", "report.xml")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     suite = ET.parse(outside / "report.xml").getroot().find("testsuite")
@@ -90,7 +90,8 @@ def test_log_prob_only_target_collects_what_it_can_compute(outside: Path) -> Non
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "target provides no entropy: cases needing it are not drawn" in run.stdout
     assert "wrapper" not in run.stdout.split("collected")[-1]
-    assert "test_check[values-kernel-tp4]" in run.stdout and "test_corpus[kernel]" in run.stdout
+    # check's plan: one step over every TP size; the corpus entry by entry
+    assert "test_check[values-kernel-tp1-tp2-tp4]" in run.stdout and "test_corpus[kernel-odd-vocab-tp2]" in run.stdout
 
 
 
@@ -182,3 +183,48 @@ def test_a_repo_with_its_own_cases_and_reference_runs_beside_the_suite(outside: 
                   "-k", "test_harness_first or values-kernel-tp1", "-q", timeout=180)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "2 passed" in run.stdout, run.stdout[-2000:]
+
+
+USER_REPO = {
+    # verl's kind of setup: its own file pattern, its own Hypothesis profile, its routine in its `tests` package.
+    "pytest.ini": "[pytest]\npython_files = *_on_cpu.py\nharness_target = tests.my_logprobs\nharness_tp = 1\n"
+                  "harness_profile = smoke\n",
+    "conftest.py": "from hypothesis import settings\n\nsettings.register_profile('users', max_examples=7)\n"
+                   "settings.load_profile('users')\n",
+    "tests/__init__.py": "",
+    "tests/test_mine_on_cpu.py": (
+        "import os\nimport sys\n\nfrom hypothesis import settings\n\n\n"
+        "def test_own_profile_and_own_tests_package():\n"
+        "    import tests\n"
+        "    assert settings().max_examples == 7\n"
+        "    assert tests.__file__ == __file__.replace('test_mine_on_cpu.py', '__init__.py')\n"
+        "    assert 'tests.my_logprobs' in sys.modules  # the suite's target, imported from here\n"
+        f"    assert {str(REPO)!r} not in [os.path.realpath(p) for p in sys.path]  # the checkout is not\n"
+    ),
+}
+
+
+def test_a_user_repo_of_its_own_setup_runs_its_tests_and_the_suite_on_its_own_target(outside: Path) -> None:
+    """A repository with `python_files = *_on_cpu.py`, its own Hypothesis profile and its routine in its
+    own `tests` package, run with a known file inside the harness's checkout (whose ini names the
+    built-in routine), from an editable-style install (only the `harness` package on the path): the
+    suite is collected, pytest's rootdir and ini are the repository's, its target and its profile
+    are its own, and nothing of the checkout (its `tests`, its conftest) enters the session."""
+    for name, text in USER_REPO.items():
+        (outside / name).parent.mkdir(exist_ok=True)
+        (outside / name).write_text(text)
+    (outside / "tests" / "my_logprobs.py").write_text(_documented_example())
+    site = outside.parent / f"{outside.name}-site"  # the package alone, as the editable install maps it
+    site.mkdir()
+    (site / "harness").symlink_to(REPO / "harness")
+    known = REPO / "docs" / "examples" / "known-neginf.toml"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CI")}
+    env["PYTHONPATH"] = str(site)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--pyargs", "harness.conformance",
+                          "tests", "--harness-known", str(known), "-k", "on_cpu or values-kernel", "-v"],
+                         cwd=outside, env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert f"rootdir: {outside}" in run.stdout and "configfile: pytest.ini" in run.stdout, run.stdout[:1500]
+    assert "harness: target tests.my_logprobs, levels kernel, TP [1], profile smoke" in run.stdout
+    assert "test_mine_on_cpu.py::test_own_profile_and_own_tests_package PASSED" in run.stdout
+    assert "test_check[values-kernel-tp1] PASSED" in run.stdout, run.stdout[-3000:]

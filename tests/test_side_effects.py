@@ -163,8 +163,28 @@ def test_a_dying_rank_is_a_crash_the_run_completes_and_no_process_is_left(tmp_pa
     crashes = [f for f in result["findings"] if f["check"] == "crash"]
     assert crashes and FAULTS[name] in crashes[0]["message"], result["findings"]
     assert "rank 1" in crashes[0]["message"]
+    if "died" in FAULTS[name]:
+        assert "confirmed on re-run in a fresh pool" in crashes[0]["message"], crashes[0]["message"]
     assert not [f for f in result["findings"] if f["check"] in ("hang", "collectives")], result["findings"]
     assert _session_members(proc.pid) == [], "every process the run started is gone once it returned"
+
+
+@pytest.mark.distributed
+def test_a_rank_killed_once_from_outside_is_an_event_not_a_crash(harness_pools):
+    """A rank killed by a signal the routine did not send (here SIGHUP, once): the case runs again
+    in a fresh pool and passes there, so the run reports an infrastructure event and no finding."""
+    from tests.targets.dies_once import marker
+
+    marker(os.getpid()).unlink(missing_ok=True)
+    try:
+        runner = Runner("tests.targets.dies_once", pools=harness_pools)
+        _, findings = runner.check(parse_case("kernel:tp=2,T=5,v_local=4,dtype=fp32,regime=normal,with_entropy=1,seed=7"))
+        assert marker(os.getpid()).exists(), "the routine's first call on rank 1 kills it"
+    finally:
+        marker(os.getpid()).unlink(missing_ok=True)
+    assert findings == [], [f"{f.check}: {f.message[:300]}" for f in findings]
+    assert len(runner.events) == 1 and "rank 1 died (exit code -1)" in runner.events[0], runner.events
+    assert runner.events[0].endswith("ran again in a fresh pool without a death: not a finding")
 
 
 @pytest.mark.distributed

@@ -168,16 +168,22 @@ def add_pytest(parser: Any, names: tuple[str, ...]) -> None:
                       type="bool" if opt.action == "store_true" else "string", default=None)
 
 
+# Options the pytest route has no default for: a session names the routine it checks (a session
+# that fell back on the built-in routine would pass, green, on the wrong target).
+NO_PYTEST_DEFAULT = ("target",)
+
+
 def pytest_value(config: Any, name: str) -> Any:
     """An option of the pytest route: the command line's, else the ini key's (parsed by the same
-    validator), else the option's default. A bad ini value is a usage error naming the key."""
+    validator), else the option's default (None for NO_PYTEST_DEFAULT). A bad ini value is a usage
+    error naming the key."""
     opt = OPTIONS[name]
     got = config.getoption(pytest_dest(name))
     if got is not None:
         return got
     ini = config.getini(pytest_dest(name))
     if ini in (None, ""):
-        return opt.default
+        return None if name in NO_PYTEST_DEFAULT else opt.default
     if opt.action == "store_true":
         return bool(ini)
     if opt.choices is not None and ini not in opt.choices:

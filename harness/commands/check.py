@@ -68,6 +68,7 @@ def cmd_check(ns: argparse.Namespace, cfg: RunConfig) -> int:
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: report what was found so far
             interrupted, findings = lifecycle.interrupted_by() or signal.SIGINT, list(limits.found)
         findings = limits.final(findings)  # a hang reported once
+        stopped = bool(interrupted) or limits.reached()  # before its last case: no known entry is stale
         result = result_json(runner, findings, time.perf_counter() - start,
                              {"profile": profile.name, "seed": ns.seed, "tp": cfg.tp,
                               "skipped": dict(limits.skipped), "stopped_at_max_findings": limits.reached(),
@@ -75,7 +76,7 @@ def cmd_check(ns: argparse.Namespace, cfg: RunConfig) -> int:
         for feature in CHECK_FEATURES:
             if interrupted and feature is not render:
                 continue  # the report of what was found, not the gates that would run next
-            result.update(known_json(runner))
+            result.update(known_json(runner, stopped))
             extra = runner.verdicts.new_findings(feature.finish(ns, runner, result))
             findings += extra
             result["findings"] += [f.to_json() for f in extra]
@@ -100,15 +101,18 @@ def cmd_check(ns: argparse.Namespace, cfg: RunConfig) -> int:
           f"{len(findings)} finding(s)")
     for line in limits.summary():
         print(line)
+    for event in runner.events:
+        print(f"infrastructure event, not a finding: {event}")
     if limits.reached():
         print(f"stopped after {len(limits.found)} finding(s) (--max-findings {limits.max_findings})")
     for block in finding_blocks(findings, ns.json):
         print(block)
     if runner.verdicts.known.path:
-        print("\n" + (known_summary(runner) or f"no known findings ({runner.verdicts.known.path})"))
+        print("\n" + (known_summary(runner, stopped) or f"no known findings ({runner.verdicts.known.path})"))
     if ns.json:
         Path(ns.json).write_text(json.dumps(result, indent=1))
-    known_fail = ns.strict_known and (any(e.matched for e in runner.verdicts.known.entries) or bool(runner.verdicts.known.stale))
+    known_fail = ns.strict_known and (any(e.matched for e in runner.verdicts.known.entries)
+                                      or (bool(runner.verdicts.known.stale) and not stopped))
     return 1 if findings or known_fail else 0
 
 

@@ -23,19 +23,26 @@ from pathlib import Path
 from harness.base import extras, options
 from harness.base.errors import UsageError
 from harness.checks import all_checks
-from harness.driver.git_trees import Git, commits, module_paths
+from harness.driver.git_trees import Commit, Git, commits, module_paths
 from harness.driver.replay import run_all
 from harness.report.history_table import history_rows, render_html, render_markdown, transitions
+from harness.targets import KERNEL, LINEAR, WRAPPER, is_file_spec
+from harness.targets.peers import bound_names, peers
 
 
 def cmd_history(ns: argparse.Namespace, cfg: options.RunConfig) -> int:
     extras.require("jinja2", "report", "harness history (its report)")  # said before the run, not after it
+    if is_file_spec(ns.target) and not ns.paths:
+        raise UsageError(f"--target {ns.target} is a file: history cannot tell which of the repository's files its "
+                         f"commits change; name them with --paths (e.g. --paths pkg/logprobs.py), or give the "
+                         f"target as the repository's module path (--target pkg.logprobs)")
     git = Git(ns.repo)
     rev = git("rev-parse", f"{ns.rev}^{{commit}}").strip()
     paths = ns.paths or module_paths(git, rev, ns.target)
     listed = commits(git, paths, ns.since, rev)
     if not listed:
         raise UsageError(f"no commit up to {ns.rev} touches {', '.join(paths)}")
+    _refuse_without_contract(git, ns.target, rev, listed)
     todo = [c for c in listed if c.same_as is None]
     print(f"[history] {len(listed)} commit(s) touch {', '.join(paths)}; {len(todo)} distinct version(s) to check, "
           f"{ns.jobs} at a time", file=sys.stderr, flush=True)
@@ -68,6 +75,33 @@ def cmd_history(ns: argparse.Namespace, cfg: options.RunConfig) -> int:
 
 def _check_of(rows: list[dict], family: str) -> str:
     return next(r["cells"][family].get("check", family) for r in rows if family in r["cells"])
+
+
+def _refuse_without_contract(git: Git, target: str, rev: str, listed: list[Commit]) -> None:
+    """A target module of the repository that defines none of the contract's functions in any commit
+    to check: every commit would be untestable, each after a check's start-up. Refused at once,
+    naming the adapters that map that module's functions onto the contract."""
+    if is_file_spec(target) or ":" in target:
+        return
+    try:
+        path = module_paths(git, rev, target)[0]
+    except UsageError:
+        return  # not the repository's module (an adapter, an installed target): its checks say
+    contract = {KERNEL, WRAPPER, LINEAR, "*"}
+    for c in listed:
+        try:
+            source = git("show", f"{c.sha}:{path}")
+        except UsageError:
+            continue  # not in that commit
+        if contract & bound_names(source):
+            return
+    adapters = [p.spec for p in peers() if any(u.split()[0].rpartition(".")[0] == target for u in p.upstream)]
+    hint = (f"--target {adapters[0]} --paths {path}" + (f" (or {', '.join(adapters[1:])})" if adapters[1:] else "")
+            if adapters else f"--target ADAPTER --paths {path}, where ADAPTER maps its functions onto the contract "
+                             f"(docs/peers.md)")
+    raise UsageError(f"{target} defines none of the contract's functions ({KERNEL}, {WRAPPER}, {LINEAR}) in any of "
+                     f"the {len(listed)} commit(s) touching {path}: there is nothing to check. Check its functions "
+                     f"through an adapter: {hint}")
 
 
 def add_repro_arguments(p: argparse.ArgumentParser) -> None:

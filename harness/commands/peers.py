@@ -9,9 +9,13 @@ row saying why. Each peer runs at its own profile (`HARNESS_PEER["profile"]`, `c
 says otherwise) unless `--profile` sets one for all; its wall and CPU time are printed as it
 finishes, and are part of its row.
 
-Exit codes: 0 when the matrix was written (findings on peers are its content, not a failure of
-this command), 2 when a peer's run failed to produce a result (usage, import or infrastructure
-error), after writing the matrix with that row marked.
+A peer runs here when its routine does: its required modules are installed and the functions it
+adapts are found in them (`absent_here`), not when a folder of its package's name sits in the
+current directory (a namespace package holding none of its modules).
+
+Exit codes, as `check`'s, once the matrix is written: 0 when no peer has a new finding (one its known
+file does not explain), 1 when one has, 2 when a peer's run failed to produce a result (usage,
+import or infrastructure error: that row is marked).
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from typing import Any
 
 from harness.base import extras, options
 from harness.report import matrix
-from harness.targets.peers import Peer, peers
+from harness.targets.peers import Peer, absent_here, peers
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -51,7 +55,8 @@ def _why_not(peer: Peer, device: str) -> str | None:
         return f"not installed (no {', '.join(missing)}): {peer.install}"
     if peer.cuda_only and device == "cpu":
         return "runs only on CUDA (Triton kernels): run `harness peers --device cuda` on a GPU runner"
-    return None
+    absent = absent_here(peer.spec)
+    return f"its routine is not here: {absent}" if absent else None
 
 
 def _children_cpu_s() -> float:
@@ -88,11 +93,11 @@ def _run_peer(peer: Peer, ns: argparse.Namespace, workdir: Path) -> dict[str, An
 
 def _said(row: dict[str, Any]) -> str:
     """A finished peer's line: its result and its time."""
-    spent = f"{row['elapsed_s']} s wall, {row['cpu_s']} s CPU (profile {row['profile']})"
+    spent = f"{row['elapsed_s']} s wall, {row['cpu_s']} s CPU (profile {row['profile']})" if "elapsed_s" in row else ""
     if row["status"] == "ran":
         return (f"{row['cases']} cases, {row['findings']} new ({row['findings'] - row['beyond_use']} in its use, "
                 f"{row['beyond_use']} beyond it) and {row['known_findings']} known findings; {spent}")
-    return f"{row['status']}: {row['reason']}" + (f"; {spent}" if "elapsed_s" in row else "")
+    return f"{row['status']}: {row['reason']}" + (f"; {spent}" if spent else "")
 
 
 def cmd_peers(ns: argparse.Namespace, cfg: options.RunConfig) -> int:
@@ -137,7 +142,7 @@ def cmd_peers(ns: argparse.Namespace, cfg: options.RunConfig) -> int:
     print(f"[peers] the matrix: {result['elapsed_s']} s wall, {result['cpu_s']} s CPU (user + system, every "
           f"peer's processes)", file=sys.stderr)
     print(f"written: {ns.out / 'peers.md'}, {ns.out / 'peers.html'}, {ns.out / 'peers.json'}", file=sys.stderr)
-    return 2 if failed else 0
+    return 2 if failed else 1 if any(row.get("findings") for row in rows) else 0
 
 
 def _version() -> str:

@@ -9,25 +9,63 @@ skipped once it is shrunk, shrinking a hang has a budget, and the run stops at `
 """
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 
 from hypothesis import given
 from hypothesis import seed as hyp_seed
 from hypothesis import strategies as st
 
+from harness.base.errors import HarnessError
 from harness.cases.case import Case
 from harness.cases.corpus import CORPUS
 from harness.cases.profiles import Profile, explore_settings
 from harness.cases.strategies import LEVEL_STRATEGIES
 from harness.checks.findings import Finding
 from harness.driver import torchrun
-from harness.driver.limits import HANG_SHRINK_BUDGET_S, HANG_SHRINK_MAX_CASES, RunLimits, hung
+from harness.driver.limits import HANG_SHRINK_MAX_CASES, RunLimits, hung
 from harness.driver.runner import Runner
+
+CORPUS_BY_NAME = {entry.name: entry for entry in CORPUS}
+
+
+@contextlib.contextmanager
+def draws_of_the_seed() -> Iterator[None]:
+    """While exploring: Hypothesis without its "local constants". Besides its own fixed constants,
+    Hypothesis draws literals it finds in the modules loaded at the time (every module outside
+    site-packages and test folders: an editable install's harness, the target's tree, a user's
+    code), so one seed would draw different cases in `check` and in a pytest session, which load
+    different modules. Without them (and without the cache of them another test of the session
+    may have filled), a seed draws the same cases in any process. A Hypothesis without local
+    constants has nothing to set aside."""
+    try:
+        from hypothesis.internal.conjecture import providers
+        from hypothesis.internal.constants_ast import Constants
+
+        saved = providers._get_local_constants, providers.CONSTANTS_CACHE
+        fresh = type(saved[1])(1024)
+    except (ImportError, AttributeError, TypeError):
+        yield
+        return
+    none = Constants()
+    providers._get_local_constants, providers.CONSTANTS_CACHE = (lambda: none), fresh
+    try:
+        yield
+    finally:
+        providers._get_local_constants, providers.CONSTANTS_CACHE = saved
 
 
 class _Stop(Exception):
     pass
+
+
+class _Infrastructure(BaseException):
+    """An error of the harness's own (a pool that cannot start) raised inside a Hypothesis run: a
+    BaseException, so Hypothesis passes it on at once instead of shrinking it as a failure of the
+    routine (and meeting the pool it left closed)."""
+    def __init__(self, error: HarnessError):
+        super().__init__(str(error))
+        self.error = error
 
 
 class _NewFailure(Exception):
@@ -44,34 +82,44 @@ def strategy_for(runner: Runner, level: str, tps: Iterable[int], dp: int = 1, cp
                                    keep_mask=t.supports("keep_mask"), dp=st.just(dp), **extra)
 
 
+def corpus_cases(levels: Iterable[str], tps: Iterable[int]) -> list[tuple[str, Case]]:
+    """The regression corpus's entries of these levels, in its order, each as (name, case) at a TP
+    size asked for (a case at another size moves to the largest)."""
+    tps, levels = sorted(tps), set(levels)
+    return [(entry.name, entry.case if entry.case.tp in tps else entry.case.replace(tp=tps[-1]))
+            for entry in CORPUS if entry.case.level in levels]
+
+
+def corpus_entry(runner: Runner, case: Case, limits: RunLimits | None = None) -> tuple[str | None, list[Finding]]:
+    """One corpus case: (why it is not run, []) or (None, its findings, explained)."""
+    if getattr(case, "cp", 1) > 1 and torchrun.active():
+        return "a launched world has no context-parallel groups: run CP cases without the launcher", []
+    if limits is not None and not runner.has_run(case) and limits.skip(case, unshrunk=True):
+        return limits.skip_reason(case, unshrunk=True), []
+    ev, fs = runner.check(case)
+    findings = runner.explain(fs)
+    if limits is not None:
+        limits.observe(ev)
+        limits.record(fs)
+    return None, findings
+
+
 def run_corpus(runner: Runner, tps: Iterable[int], progress: Callable[[str], None] = lambda s: None,
                stop: Callable[[list[Finding]], bool] | None = None, limits: RunLimits | None = None,
                levels: Iterable[str] | None = None) -> list[Finding]:
     """The regression corpus, at the TP sizes asked for (cases at other sizes move to the largest);
     `stop` ends it early once the findings so far satisfy it; `levels`: only these levels' entries."""
-    tps = sorted(tps)
     levels = runner.target.levels if levels is None else [lv for lv in levels if lv in runner.target.levels]
     findings: list[Finding] = []
-    for entry in CORPUS:
-        case = entry.case
-        if case.level not in levels:
+    for name, case in corpus_cases(levels, tps):
+        skipped, fs = corpus_entry(runner, case, limits)
+        if skipped:
+            progress(f"corpus {name}: skipped ({skipped})")
             continue
-        if case.tp not in tps:
-            case = case.replace(tp=tps[-1])
-        if getattr(case, "cp", 1) > 1 and torchrun.active():
-            progress(f"corpus {entry.name}: skipped (a launched world has no context-parallel groups: "
-                     f"run CP cases without the launcher)")
-            continue
-        if limits is not None and not runner.has_run(case) and limits.skip(case, unshrunk=True):
-            progress(f"corpus {entry.name}: skipped ({limits.skip_reason(case, unshrunk=True)})")
-            continue
-        ev, fs = runner.check(case)
-        findings += runner.explain(fs)
-        if limits is not None:
-            limits.observe(ev)
-            limits.record(fs)
-        moved = f" (ran at TP {case.tp}: its TP {entry.case.tp} was not asked for)" if case.tp != entry.case.tp else ""
-        progress(f"corpus {entry.name}{moved}: {'ok' if not fs else ', '.join(sorted({f.check for f in fs}))}")
+        findings += fs
+        tp = CORPUS_BY_NAME[name].case.tp
+        moved = f" (ran at TP {case.tp}: its TP {tp} was not asked for)" if case.tp != tp else ""
+        progress(f"corpus {name}{moved}: {'ok' if not fs else ', '.join(sorted({f.check for f in fs}))}")
         if (stop is not None and stop(findings)) or (limits is not None and limits.reached()):
             break
     return findings
@@ -93,27 +141,27 @@ def explore(runner: Runner, level: str, tps: Iterable[int], max_examples: int, s
     for round_ in range(len(only or runner.checks) + 1):
         collected: list[Finding] = []
         count = [0]
-        hang_shrink = {"on": False, "seconds": 0.0, "cases": 0}
+        hang_shrink = {"on": False, "cases": 0}
 
         @hyp_seed(seed * 1000 + round_)
         @explore_settings(max_examples, shrink)
         @given(strategy)
         def probe(case):
             if limits is not None and not runner.has_run(case):
-                if hang_shrink["on"] and (hang_shrink["seconds"] >= HANG_SHRINK_BUDGET_S
-                                          or hang_shrink["cases"] >= HANG_SHRINK_MAX_CASES):
+                if hang_shrink["on"] and hang_shrink["cases"] >= HANG_SHRINK_MAX_CASES:
                     return  # shrinking budget spent: the smallest hanging case so far is the finding
                 if limits.skip(case):
                     return
-            start = time.perf_counter()
-            ev, findings = runner.check(case, only=only)
+            try:
+                ev, findings = runner.check(case, only=only)
+            except HarnessError as e:
+                raise _Infrastructure(e) from None
             count[0] += 1
             if count[0] % 25 == 0:
                 progress(f"{label}: {count[0]} cases")
             if limits is not None:
                 limits.observe(ev)
                 if hang_shrink["on"] and hung(ev):
-                    hang_shrink["seconds"] += time.perf_counter() - start
                     hang_shrink["cases"] += 1
             new = [f for f in findings if f.check not in known]
             if new and shrink:
@@ -126,9 +174,12 @@ def explore(runner: Runner, level: str, tps: Iterable[int], max_examples: int, s
                 raise _Stop
 
         try:
-            probe()
+            with draws_of_the_seed():
+                probe()
         except _Stop:
             pass
+        except _Infrastructure as stopped:
+            raise stopped.error from None
         except _NewFailure as failure:  # re-raised by Hypothesis from the shrunk example
             for f in runner.explain(failure.findings):
                 f.shrunk = True

@@ -22,9 +22,10 @@ from harness.checks.findings import Finding
 from harness.engine.observations import HANG_KINDS
 
 EVERY_CASE_AFTER = 3
-# Shrinking a hang: at most this many seconds of hung cases, or this many hung cases, after the
-# first; the finding is then the smallest hanging case found so far.
-HANG_SHRINK_BUDGET_S = 12.0
+# Shrinking a hang: at most this many hung cases after the first; the finding is then the smallest
+# hanging case found so far. A count, not seconds: the case a run shrinks to, and so its findings,
+# do not depend on how loaded the machine is (a hang found by evidence costs a second or two; a
+# target that hangs whole is skipped after EVERY_CASE_AFTER cases).
 HANG_SHRINK_MAX_CASES = 12
 
 

@@ -92,6 +92,8 @@ class WorkerPool:
         self.restarts = 0
         self.job_seconds: deque[float] = deque(maxlen=101)  # jobs every rank answered; survives restarts
         self.stuck_events = 0
+        self.killed: set[int] = set()  # pids this pool killed itself (`close`): their death is not the routine's
+        self.events: list[str] = []  # what went wrong in the infrastructure and was recovered (`restart`)
         self.parked = False
         self._submitted = self._deadline = 0.0  # the job in flight (`submit`)
         self.idle_since: float | None = None  # when its last job was collected; None while one is in flight
@@ -155,6 +157,7 @@ class WorkerPool:
                       self.collective_timeout_s, os.getpid(), self.tp, self.board, self.cp))
             p.start()
             child.close()
+            self.killed.discard(p.pid)  # a pid used again
             self.procs.append(p)
             self.conns.append(parent)
         lifecycle._LIVE.add(self)
@@ -249,7 +252,8 @@ class WorkerPool:
                     sentinels.pop(obj)
                     self.procs[r].join(1.0)  # reap it, so the exit code is known
                     exit_code = self.procs[r].exitcode
-                    replies[r] = self._result(r, f"{self.name(r)} died (exit code {exit_code})", "died")
+                    by_us = " (killed by the harness)" if self.procs[r].pid in self.killed else ""
+                    replies[r] = self._result(r, f"{self.name(r)} died (exit code {exit_code}){by_us}", "died")
             if board is not None and pending:
                 now = time.monotonic()
                 running = sorted(pending.values())
@@ -359,9 +363,16 @@ class WorkerPool:
         return self.call(fn_path, [args] * self.world, deadline, while_waiting)
 
     def restart(self, grace_s: float = 2.0) -> None:
+        """New ranks for the old. A rebuild that fails to start (its ranks' process groups could not
+        connect: "Connection refused" on a loaded machine) is tried once more before it is an error,
+        and said in `events`: a pool the run cannot rebuild ends it (exit 2), never a case's verdict."""
         self.close(grace_s)
         self.restarts += 1
-        self.start()
+        try:
+            self.start()
+        except PoolStartError as e:
+            self.events.append(f"a rebuilt pool failed to start and was started again: {e}")
+            self.start()
 
     def close(self, grace_s: float = 2.0) -> None:
         """Ask every rank to exit, wait up to `grace_s` for them to, then kill the rest."""
@@ -378,6 +389,7 @@ class WorkerPool:
             p.join(max(0.0, deadline - time.monotonic()))
         for p in self.procs:
             if p.is_alive():
+                self.killed.add(p.pid)
                 p.kill()
                 p.join(5)
         for conn in self.conns:

@@ -44,6 +44,14 @@ def _reads_memory(chk: Check) -> bool:
     return bool({"memory", "call-memory", "work"} & set(chk.reads))
 
 
+def _deaths(results: list[RankResult]) -> list[RankResult]:
+    """The ranks that died in a job (the pool has been rebuilt since: `WorkerPool.collect`)."""
+    return [r for r in results if r.error_kind == "died"]
+
+
+CONFIRMED = "confirmed on re-run in a fresh pool"
+
+
 def _needs_rebuild(results: list[RankResult]) -> bool:
     """Ranks whose collectives diverged may leave unmatched operations in flight: start the next
     case on a fresh group. Exceptions after identical collectives leave the group consistent."""
@@ -105,6 +113,7 @@ class Runner:
         self.verdicts = Verdicts(use=parse_use(self.target.spec, self.target.use))
         self._probes: dict[tuple[str, Case], list[str] | None] = {}  # (check, case) -> its problems (`probe`)
         self._in_flight = False  # a job is on the pools: the main process's work may not start another
+        self.events: list[str] = []  # infrastructure events: what went wrong that is not the routine's doing
 
     @classmethod
     def for_run(cls, cfg: RunConfig, target: str | None = None) -> "Runner":
@@ -227,6 +236,10 @@ class Runner:
         results = by_group(replies)
         if isinstance(pool, WorkerPool):
             self._called_on.add(_workers(pool))  # a rebuilt pool's new workers start afresh
+            if _deaths(results):
+                results = self._rerun_death(case, pool, meter_memory, results)
+            self.events += pool.events
+            pool.events.clear()
         self.cases_run += 1
         if _needs_rebuild(results) and pool.procs:
             pool.restart()
@@ -235,6 +248,27 @@ class Runner:
         (self._unmetered.discard if meter_memory else self._unmetered.add)(case)
         if len(self._cache) > CACHE_SIZE:
             self._unmetered.discard(self._cache.popitem(last=False)[0])
+
+    def _rerun_death(self, case: Case, pool: WorkerPool, meter_memory: bool,
+                     results: list[RankResult]) -> list[RankResult]:
+        """A rank died: the case again, once, on the fresh pool its death left. A death is the
+        routine's (`crash`) only when the harness did not kill the rank and the case dies again:
+        then the re-run's results, each death saying it was confirmed. Otherwise the re-run's
+        results stand, and the death is an infrastructure event of the run, not a finding (a rank
+        killed by something outside the routine: a signal from elsewhere, memory pressure)."""
+        again = by_group(pool.call(CASE_JOB, [(case, self.target.spec, meter_memory)] * pool.world,
+                                   self._deadline(pool)))
+        self._called_on.add(_workers(pool))
+        died = [r for r in _deaths(again) if "killed by the harness" not in str(r.error)]
+        if died:
+            for r in died:
+                r.error = f"{r.error}; {CONFIRMED}"
+            return again
+        first = "; ".join(str(r.error) for r in _deaths(results))
+        self.events.append(f"{first} on {case.spec()}; the case ran again in a fresh pool "
+                           + ("without a death" if not _deaths(again) else "and only the harness killed a rank")
+                           + ": not a finding")
+        return again
 
     def has_run(self, case: Case) -> bool:
         """Whether `run(case)` would be answered from the cache (costs nothing)."""

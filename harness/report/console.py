@@ -101,11 +101,17 @@ def bitwise_table(runner: Runner) -> str:
                       "(docs/bitwise.md); tp-invariance holds it to the float32 tolerance."])
 
 
-def known_summary(runner: Runner) -> str:
+def known_summary(runner: Runner, stopped: bool = False) -> str:
+    """The known entries that matched, with their counts, then the stale ones; `stopped` (the run
+    ended before its last case): no entry is stale, it may match what the run did not reach."""
     lines = []
     for e in runner.verdicts.known.entries:
         if e.matched:
             lines.append(f"KNOWN {e.describe()}: {e.matched} finding(s)" + (f" ({e.link})" if e.link else ""))
-    for e in runner.verdicts.known.stale:
-        lines.append(f"STALE known entry, matched nothing in this run: {e.describe()}")
+    unmatched = runner.verdicts.known.stale
+    if stopped and unmatched:
+        lines.append(f"{len(unmatched)} known entr{'y' if len(unmatched) == 1 else 'ies'} matched nothing before "
+                     f"the run stopped; not reported as stale (the run did not reach every case)")
+    elif not stopped:
+        lines += [f"STALE known entry, matched nothing in this run: {e.describe()}" for e in unmatched]
     return "\n".join(lines)

@@ -28,16 +28,20 @@ def result_json(runner: Runner, findings: list[Finding], elapsed: float, extra: 
         # Each family (`checks.families`): one defect's cases checked, failed, known, beyond the use.
         "families": {key: fam.to_json() for key, fam in runner.verdicts.families.items()},
         "use": [e.to_json() for e in runner.verdicts.use],
+        "infrastructure_events": list(runner.events),  # not findings: a rank that died once, not again
         "bitwise": {config: {n: {"checked": c, "held": h} for n, (c, h) in got.items()}
                     for config, got in sorted(runner.verdicts.properties.items())} if runner.verdicts.properties else None,
         **extra,
     }
 
 
-def known_json(runner: Runner) -> dict[str, Any]:
-    """The known findings apart from the new ones, and each entry of the --known file with its count."""
+def known_json(runner: Runner, stopped: bool = False) -> dict[str, Any]:
+    """The known findings apart from the new ones, and each entry of the --known file with its count.
+    `stopped`: the run ended before its last case (`-x`, `--max-findings`, a signal), so an entry
+    that matched nothing may match what it did not reach: none is stale."""
     if not runner.verdicts.known.path:
         return {"known_findings": [], "known": None}
     return {"known_findings": [f.to_json() for f in runner.verdicts.known_findings],
             "known": {"file": runner.verdicts.known.path, "entries": [e.to_json() for e in runner.verdicts.known.entries],
-                      "stale": [e.describe() for e in runner.verdicts.known.stale]}}
+                      "stale": [] if stopped else [e.describe() for e in runner.verdicts.known.stale],
+                      "stopped": stopped}}

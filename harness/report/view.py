@@ -148,7 +148,7 @@ def known(result: dict[str, Any]) -> dict[str, Any] | None:
         label = next((k for k in examples if k.startswith(f"[{', '.join(e['checks'])}]") and e["reason"] in k), None)
         rows.append({"checks": ", ".join(e["checks"]), "where": where, "reason": e["reason"], "link": e["link"],
                      "matched": e["matched"], "example": examples.get(label, "") if label else ""})
-    return {"file": data["file"], "rows": rows, "stale": len(data["stale"])}
+    return {"file": data["file"], "rows": rows, "stale": len(data["stale"]), "stopped": data.get("stopped", False)}
 
 
 TP_NOTE = ("TP invariance is not a bitwise property: another TP size changes the reduction tree; "

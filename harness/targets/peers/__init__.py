@@ -65,12 +65,38 @@ def _missing(requires: tuple[str, ...] | list[str]) -> list[str]:
     return out
 
 
+class _Unseen(Exception):
+    """A package found where no file can be read (an extension module, a frozen one)."""
+
+
 def _source_file(module: str) -> Path | None:
-    """The file `sys.path` holds for a dotted module, found without importing it (a trainer's
-    package `__init__` imports its whole stack), or None."""
+    """The source file of a dotted module, found without importing it (a trainer's package
+    `__init__` imports its whole stack), or None. Its top-level package is looked for as Python
+    looks: the first regular package or module on `sys.path`, else the folders of a namespace
+    package (a folder named like a trainer's package in the current directory is one, holding none
+    of its modules), else an import hook's (an editable install's finder). `_Unseen` when it is
+    found where there is no file to read."""
+    top = module.partition(".")[0]
     rel = Path(*module.split("."))
+    roots: list[Path] = []
     for entry in sys.path:
         root = Path(entry or ".")
+        if (root / top / "__init__.py").is_file() or (root / f"{top}.py").is_file():
+            roots = [root]
+            break
+        if (root / top).is_dir():
+            roots.append(root)  # a namespace package's portion, unless a regular package comes later
+    if not roots:
+        try:
+            spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported
+        except (ImportError, ValueError):
+            return None
+        if spec is None:
+            return None
+        if not spec.submodule_search_locations and not (spec.origin or "").endswith(".py"):
+            raise _Unseen(module)
+        roots = [Path(loc).parent for loc in spec.submodule_search_locations or ()] or [Path(str(spec.origin)).parent]
+    for root in roots:
         for candidate in (root / rel.with_suffix(".py"), root / rel / "__init__.py"):
             if candidate.is_file():
                 return candidate
@@ -79,8 +105,14 @@ def _source_file(module: str) -> Path | None:
 
 def _bound_names(path: Path) -> set[str]:
     """The names a module's top level binds: defs, classes, assignments, imports."""
+    return bound_names(path.read_text(encoding="utf-8", errors="replace"))
+
+
+def bound_names(source: str) -> set[str]:
+    """The names a module's source binds at its top level: defs, classes, assignments, imports
+    (`*` for a star import); none when it does not parse."""
     try:
-        tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+        tree = ast.parse(source)
     except SyntaxError:
         return set()
     names: set[str] = set()
@@ -98,7 +130,10 @@ def _bound_names(path: Path) -> set[str]:
 def defines(module: str, name: str) -> bool | None:
     """Whether the tree on `sys.path` defines `module.name`, read from its source without importing
     it; None when no file of `module` is found. Adapters use it to follow a routine's past forms."""
-    file = _source_file(module)
+    try:
+        file = _source_file(module)
+    except _Unseen:
+        return None
     return None if file is None else name in _bound_names(file)
 
 
@@ -174,9 +209,10 @@ def absent_here(spec: str) -> str | None:
     unimportable = None  # the first found whose module fails to import: the reason, unless another imports
     for path in meta["upstream"]:
         owner, _, name = path.split()[0].rpartition(".")  # an entry may carry a note: "pkg.fn (impl=...)"
-        file = _source_file(owner)
-        if file is None and _source_file(owner.split(".")[0]) is None:
-            return None  # installed where a path scan cannot see (an import hook): the calls will tell
+        try:
+            file = _source_file(owner)
+        except _Unseen:
+            return None  # installed where no source can be read: the calls will tell
         if file is None or name not in _bound_names(file):
             where.append(f"{name} in {file or owner}")
             continue
