@@ -26,7 +26,7 @@ STUDY = Path(__file__).resolve().parent.parent / "scripts" / "linear_tolerance_s
 LINEAR_CHECKS = ("values", "gradients", "grad-flags", "shapes-dtypes", "finite", "crash", "hang", "collectives",
                  "chunk-invariance", "tp-invariance", "input-integrity", "empty-input", "memory-metric-only",
                  "memory-backward-frees", "memory-linear-retained", "memory-budget", "frozen-input-work",
-                 "side-effects")
+                 "memory-logits-dtype", "side-effects")
 
 
 def _study():
