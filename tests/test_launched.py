@@ -102,7 +102,7 @@ def test_two_nodes_tp_within_and_across_nodes_match_the_pools(tmp_path: Path, ha
     routine (the unfused reference target, kernel and wrapper levels) passes, as on the pools."""
     from harness import cli
 
-    defect = ["check", "--target", "mutant:world-group-reduce", "--tp", "2", "--profile", "smoke", "-q", "-x"]
+    defect = ["check", "--target", "mutant:world-group-reduce", "--tp", "2", "--profile", "smoke", "-q", "-x", "--no-shrink"]
     launched = _two_nodes("-m", "harness", *defect, "--json", str(tmp_path / "tp2.json"))
     assert [r.returncode for r in launched] == [1, 1], launched[0].stderr[-2000:] + launched[1].stderr[-2000:]
     wrong_values = {"values", "gradients", "tp-invariance", "wrapper-extraction", "wrapper-entropy", "wrapper-gradients"}

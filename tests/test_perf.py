@@ -74,7 +74,9 @@ def test_paired_timing_sees_an_injected_slowdown_and_not_a_null_one(harness_pool
                                                      perf.PAIRS, 0, "cpu", 0.5))
     assert same.verdict(0.10) != "slower"
     assert slowed.verdict(0.10) == "slower"
-    assert 1.3 < slowed.median < 1.7
+    # 1.5 by construction; the busy loop overshoots a little on a loaded machine (1.75 measured beside a
+    # second test worker), never by the half of a second slowdown.
+    assert 1.3 < slowed.median < 2.0
 
 
 # ---------------------------------------------------------------------------- the baseline gate

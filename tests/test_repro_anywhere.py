@@ -42,7 +42,7 @@ def _check(cwd: Path, target: str) -> str:
     """`harness check` on `target` from `cwd`; the repro line of its first finding."""
     out = cwd / "r.json"
     run = subprocess.run([sys.executable, "-m", "harness", "check", "--target", target, "--tp", "1",
-                          "--profile", "smoke", "-x", "--json", str(out)],
+                          "--profile", "smoke", "-x", "--no-shrink", "--json", str(out)],
                          cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300)
     assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
     return json.loads(out.read_text())["findings"][0]["repro"]
