@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from harness.targets.peers import nemo_rl as packed
-from harness.targets.peers._mpu import GPT_LOGITS_CONTIGUOUS, NONCONTIGUOUS, parallel_state_group
+from harness.targets.peers._mpu import parallel_state_group
 
 HARNESS_CAPABILITIES = packed.HARNESS_CAPABILITIES
 
@@ -26,16 +26,8 @@ HARNESS_PEER = dict(
     install="put a NeMo-RL source tree on PYTHONPATH: git clone https://github.com/NVIDIA-NeMo/RL nemo-rl "
             "&& export PYTHONPATH=$PWD/nemo-rl:$PYTHONPATH (torch alone runs its model_utils on CPU)",
     upstream=("nemo_rl.distributed.model_utils.from_parallel_logits_to_logprobs",), profile="smoke")
-# What NeMo-RL's own caller makes: its Megatron trainer's log-prob processor (`nemo_rl/models/megatron/train.py:631-665`)
-# hands these functions the model's output as it comes. The harness's cases beyond it are
-# findings beyond its use (harness.checks.use).
-HARNESS_USE = [
-    {"where": {"layout": NONCONTIGUOUS},
-     "why": f"nemo_rl/models/megatron/train.py:640-666: `output_tensor` is the model's output, passed as it comes; {GPT_LOGITS_CONTIGUOUS}"},
-    {"where": {"T": 0},
-     "why": "nemo_rl/models/megatron/train.py:628-629: the logits span the micro-batch's padded sequence length (`input_ids.shape[1]`), "
-            "at least its longest sample: never empty"},
-]
+# NeMo-RL's Megatron trainer hands this function the model's output as it hands it to `nemo_rl`'s.
+HARNESS_USE = packed.HARNESS_USE
 
 
 def _per_sequence_rows(x: torch.Tensor, tokens: list[torch.Tensor], lengths: list[int], padded: list[int],
