@@ -7,7 +7,10 @@
 // fewer: only an op that reaches the Python key, so not a CompositeImplicitAutograd op (its parts
 // do), nothing a kernel calls inside itself, and nothing while the Python key is excluded (the
 // `empty` inside `torch.tensor`). The ledger takes exactly those ops.
-#include <torch/extension.h>
+// Tensor and the pybind11 casters of torch's Python types: not <torch/extension.h>, whose C++ frontend
+// (modules, optimisers, data loaders) the ledger never uses and which more than doubles its build time.
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <ATen/record_function.h>
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -120,7 +120,7 @@ def _why(e: BaseException) -> str:
 
 @functools.cache
 def compiled() -> type | None:
-    """The C++ ledger's class, built at its first use in an environment (about a minute on 2 cores) and
+    """The C++ ledger's class, built at its first use in an environment (about 20 s) and
     loaded from the cache after; None where the Python ledger is chosen or it cannot be built
     (said once, on stderr). With `HARNESS_LEDGER=cpp` a failed build is an error."""
     choice = chosen()
@@ -133,7 +133,7 @@ def compiled() -> type | None:
     built = (where / f"{name}.so").exists()
     start = time.perf_counter()
     if not built:
-        print(f"harness: building the C++ memory ledger for this environment (once; about a minute on 2 cores) "
+        print(f"harness: building the C++ memory ledger for this environment (once; about 20 s) "
               f"in {where} ...", end="", file=sys.stderr, flush=True)
     try:
         where.mkdir(parents=True, exist_ok=True)
