@@ -91,6 +91,10 @@ def test_history_finds_the_defect_and_the_fix(repo, tmp_path, capsys):
     finding = next(f for f in json.loads((out / f"{shas['defect'][:10]}.json").read_text())["findings"]
                    if f["shrunk"] and f["family"] == "gradients [entropy]")
     assert stretch["case"] == finding["case"] and shlex.split(stretch["repro"])[-1] == finding["case"]
+    # Printed as `check` prints it, with the line that outlives the run.
+    block = table[table.index("\nFINDING [gradients]"):]
+    assert block.startswith(f"\nFINDING [gradients] (kernel) shrunk, start from this one: {finding['case']}\n")
+    assert f"  repro: {stretch['repro']}" in block.splitlines()
 
 
 def test_history_repro_line_outlives_the_run_and_checks_its_commit(repo, tmp_path, capsys, monkeypatch):

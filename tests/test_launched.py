@@ -59,14 +59,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_nodes(*args: str, timeout: float = 400) -> list[subprocess.CompletedProcess]:
-    """Two torchrun agents on this machine as two 'nodes' of 2 ranks each (world 4), joined by a
+def _two_nodes(per_node: int, *args: str, timeout: float = 400) -> list[subprocess.CompletedProcess]:
+    """Two torchrun agents on this machine as two 'nodes' of `per_node` ranks each, joined by a
     c10d rendezvous, each running the same command. Every wait is bounded; both agents are killed
     on timeout."""
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "CI")}
     env["OMP_NUM_THREADS"] = "1"
     port = _free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", str(per_node),
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"harness{port}",
            "--max-restarts", "0", *args]
     agents = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -92,13 +92,13 @@ def _verdict(path: Path) -> tuple[int, set[str]]:
 def test_two_nodes_tp_within_and_across_nodes_match_the_pools(tmp_path: Path, harness_pools) -> None:
     """`check` on torchrun's ranks. TP 2 groups inside the 4-rank world (TP within a node, DP 2
     replicas across the nodes): the world-group defect is found, as on the harness's own DP pools.
-    TP 4 across the nodes: a correct routine (the unfused reference target, kernel and wrapper
-    levels) passes, as on the pools; global rank 0 alone reports, and the TP-1 reference of
-    `tp-invariance` ran beside the launched ranks."""
+    TP 2 across two nodes of one rank each: a correct routine (the unfused reference target, kernel
+    and wrapper levels) passes, as on the pools; global rank 0 alone reports, and the TP-1
+    reference of `tp-invariance` ran beside the launched ranks."""
     from harness import cli
 
     defect = ["check", "--target", "mutant:world-group-reduce", "--tp", "2", "--profile", "smoke", "-q", "-x", "--no-shrink"]
-    launched = _two_nodes("-m", "harness", *defect, "--json", str(tmp_path / "tp2.json"))
+    launched = _two_nodes(2, "-m", "harness", *defect, "--json", str(tmp_path / "tp2.json"))
     assert [r.returncode for r in launched] == [1, 1], launched[0].stderr[-2000:] + launched[1].stderr[-2000:]
     wrong_values = {"values", "gradients", "tp-invariance", "wrapper-extraction", "wrapper-entropy", "wrapper-gradients"}
     count, checks = _verdict(tmp_path / "tp2.json")
@@ -107,10 +107,10 @@ def test_two_nodes_tp_within_and_across_nodes_match_the_pools(tmp_path: Path, ha
     count, checks = _verdict(tmp_path / "tp2-pool.json")
     assert count and checks <= wrong_values, checks
 
-    clean = ["check", "--target", "harness.targets.naive", "--tp", "4", "--profile", "smoke", "-q"]
-    launched = _two_nodes("-m", "harness", *clean, "--json", str(tmp_path / "tp4.json"))
+    clean = ["check", "--target", "harness.targets.naive", "--tp", "2", "--profile", "smoke", "-q"]
+    launched = _two_nodes(1, "-m", "harness", *clean, "--json", str(tmp_path / "across.json"))
     assert [r.returncode for r in launched] == [0, 0], launched[0].stderr[-2000:] + launched[1].stderr[-2000:]
     assert sum(r.stdout.count("0 finding(s)") for r in launched) == 1  # global rank 0 alone reports
-    assert json.loads((tmp_path / "tp4.json").read_text())["checks"]["tp-invariance"]["kernel"]["applied"] > 0
-    assert cli.main([*clean, "--json", str(tmp_path / "tp4-pool.json")], pools=harness_pools) == 0
-    assert _verdict(tmp_path / "tp4.json") == _verdict(tmp_path / "tp4-pool.json") == (0, set())
+    assert json.loads((tmp_path / "across.json").read_text())["checks"]["tp-invariance"]["kernel"]["applied"] > 0
+    assert cli.main([*clean, "--json", str(tmp_path / "across-pool.json")], pools=harness_pools) == 0
+    assert _verdict(tmp_path / "across.json") == _verdict(tmp_path / "across-pool.json") == (0, set())

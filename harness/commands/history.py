@@ -25,7 +25,8 @@ from harness.base.errors import UsageError
 from harness.checks import all_checks
 from harness.driver.git_trees import Commit, Git, commits, module_paths
 from harness.driver.replay import run_all
-from harness.report.history_table import history_rows, render_html, render_markdown, transitions
+from harness.report.console import finding_blocks
+from harness.report.history_table import first_findings, history_rows, render_html, render_markdown, transitions
 from harness.targets import KERNEL, LINEAR, WRAPPER, is_file_spec
 from harness.targets.peers import bound_names, peers
 
@@ -68,6 +69,9 @@ def cmd_history(ns: argparse.Namespace, cfg: options.RunConfig) -> int:
     (ns.out / "history.md").write_text(text)
     (ns.out / "history.html").write_text(render_html(h))
     print(text)
+    results = {c.short: outcomes[c.same_as or c.sha].result or {} for c in listed}
+    for block in finding_blocks(first_findings(h["transitions"], results)):  # as `check` prints them
+        print(block)
     print(f"written: {ns.out / 'history.md'}, {ns.out / 'history.html'}, {ns.out / 'history.json'} "
           f"and each checked commit's JSON", file=sys.stderr)
     return 2 if any(o.status == "error" for o in outcomes.values()) else 0

@@ -11,7 +11,7 @@ import shlex
 from typing import Any
 
 from harness.checks.families import changed, describe
-from harness.checks.findings import script_command
+from harness.checks.findings import Finding, from_json, script_command
 from harness.driver.git_trees import Commit
 from harness.driver.replay import CommitOutcome
 from harness.report import matrix
@@ -154,6 +154,21 @@ def stretch_lines(transitions_: list[dict[str, Any]]) -> list[str]:
         said += [f"CHANGES HERE on `{c['commit']}` ({c['what']})" for c in t.get("changes", [])]
         said.append(f"FIXED HERE on `{t['fixed']}`" if t["fixed"] else "not fixed")
         out.append(f"- {t.get('label', t['family'])}: {', '.join(said)}")
+    return out
+
+
+def first_findings(transitions_: list[dict[str, Any]], results: dict[str, dict[str, Any]]) -> list[Finding]:
+    """Each stretch's finding on the commit that brought it in (`results`: each commit's check JSON by
+    its short sha), the shrunk one where there is one, with the stretch's repro line: it re-runs the
+    case on that commit's tree, which outlives the run (the check's own line named a deleted one)."""
+    out = []
+    for t in transitions_:
+        found = [from_json(f) for f in results.get(t["introduced"], {}).get("findings", [])
+                 if f.get("family") == t["family"]]
+        if found:
+            first = next((f for f in found if f.shrunk), found[0])
+            first.repro = t["repro"] or first.repro
+            out.append(first)
     return out
 
 
