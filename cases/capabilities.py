@@ -16,9 +16,6 @@ from harness.cases.case import (
     TEACHERS,
     Case,
     DistillCase,
-    KernelCase,
-    LinearCase,
-    WrapperCase,
 )
 
 # entropy: computes one; keep_mask: takes log_prob_keep_mask; metric_only_entropy: honours
@@ -66,8 +63,8 @@ def needs(case: Case) -> set[str]:
         out.add("allgather_cp")
     if getattr(case, "cp", 1) > 1 and case.autograd:
         out.add("cp_gradient")
-    if isinstance(case, WrapperCase) and case.dtype != "fp32":
-        out.add("wrapper_half_precision")
+    if case.half_precision_capability and getattr(case, "dtype", "fp32") != "fp32":
+        out.add(case.half_precision_capability)
     return out
 
 
@@ -102,15 +99,14 @@ def fit_distill(case: DistillCase, supports: Callable[[str], bool]) -> DistillCa
 
 
 def fit(case: Case, supports: Callable[[str], bool]) -> Case:
-    """The nearest case that needs only what `supports` allows (the case itself when it does)."""
-    if isinstance(case, DistillCase):
-        return fit_distill(case, supports)
-    if isinstance(case, (KernelCase, LinearCase)) and case.with_entropy and not case.with_entropy_grad \
-            and not supports("metric_only_entropy"):
+    """The nearest case of a log-prob and entropy level (kernel, wrapper, fused-linear) that needs only
+    what `supports` allows (the case itself when it does). Read off the fields a case has: a case
+    without `with_entropy_grad` asks no metric-only entropy, one without `mask` no keep mask of its own."""
+    if case.with_entropy and not getattr(case, "with_entropy_grad", True) and not supports("metric_only_entropy"):
         case = case.replace(with_entropy_grad=True)
     if case.with_entropy and not supports("entropy"):
-        case = case.replace(with_entropy=False, loss_terms="both") if isinstance(case, (KernelCase, LinearCase)) \
-            else case.replace(with_entropy=False)
+        # An output left out of the loss is the loss's choice: with no entropy, the loss takes both.
+        case = case.replace(with_entropy=False, **({"loss_terms": "both"} if hasattr(case, "loss_terms") else {}))
     if "context_parallel" in needs(case) and not supports("context_parallel"):
         case = case.replace(cp=1, cp_layout="zigzag")
     if "allgather_cp" in needs(case) and not supports("allgather_cp"):
@@ -120,7 +116,7 @@ def fit(case: Case, supports: Callable[[str], bool]) -> Case:
     if "wrapper_half_precision" in needs(case) and not supports("wrapper_half_precision"):
         case = case.replace(dtype="fp32")
     wants = needs(case)
-    if isinstance(case, KernelCase) and "keep_mask" in wants and not supports("keep_mask"):
+    if getattr(case, "mask", "none") != "none" and "keep_mask" in wants and not supports("keep_mask"):
         case = case.replace(mask="none")
     elif "top_p" in wants and not (supports("keep_mask") and supports("top_p")):
         case = case.replace(top_p="none")

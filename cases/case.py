@@ -123,7 +123,11 @@ def valid_values(cls: type) -> dict[str, tuple[str, ...]]:
     return {f.name: f.metadata["values"] for f in dataclasses.fields(cls) if "values" in f.metadata}
 
 
-class _CaseBase:
+# Every case class by its level's name (`parse_case`): a class registers itself by being defined.
+CASE_TYPES: dict[str, type] = {}
+
+
+class CaseBase:
     level: ClassVar[str]
     # What every level's dataclass declares, named for the type checker: the annotations of a base
     # that is not itself a dataclass make no fields.
@@ -135,10 +139,18 @@ class _CaseBase:
     chunk_size: int
     with_entropy: bool
     later_fields: ClassVar[frozenset[str]] = frozenset()  # this level's own fields added later (`spec`)
+    # The capability a routine declares to take half-precision inputs beyond its contract's float32
+    # ones (None: the contract's dtypes are the case's).
+    half_precision_capability: ClassVar[str | None] = None
 
     if TYPE_CHECKING:
         @property
         def expects_entropy_grad(self) -> bool: ...
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "level" in cls.__dict__:
+            CASE_TYPES[cls.level] = cls
 
     def __post_init__(self) -> None:
         for name, allowed in valid_values(type(self)).items():
@@ -195,7 +207,7 @@ class _CaseBase:
 
 
 @dataclass(frozen=True)
-class KernelCase(_CaseBase):
+class KernelCase(CaseBase):
     tp: int
     T: int
     v_local: int
@@ -232,6 +244,12 @@ class KernelCase(_CaseBase):
     def has_backward(self) -> bool:
         """The upstream loss reaches the logits through at least one differentiable output."""
         return self.grad_on and (self.loss_terms != "entropy" or self.expects_entropy_grad)
+
+    @property
+    def loss_takes_every_output(self) -> bool:
+        """There is a backward and every differentiable output is in its loss (an output left out
+        keeps its own graph alive, legitimately, as long as it lives)."""
+        return self.has_backward and (self.loss_terms == "both" or not self.expects_entropy_grad)
 
     def second(self) -> "KernelCase":
         """The second call's case in a two_inputs context: the next T rows of a batch of 2T drawn
@@ -290,7 +308,7 @@ class KernelCase(_CaseBase):
 
 
 @dataclass(frozen=True)
-class WrapperCase(_CaseBase):
+class WrapperCase(CaseBase):
     tp: int
     v_local: int
     total_lengths: tuple[int, ...]
@@ -317,6 +335,8 @@ class WrapperCase(_CaseBase):
     dtype: str = choice("fp32", DTYPES)
     level: ClassVar[str] = "wrapper"
     later_fields: ClassVar[frozenset[str]] = frozenset({"dtype"})
+    # Half-precision logits are beyond the contract here: a routine takes them where it declares this.
+    half_precision_capability: ClassVar[str | None] = "wrapper_half_precision"
 
     @property
     def T(self) -> int:
@@ -327,6 +347,11 @@ class WrapperCase(_CaseBase):
         """PR #2153's rule (whatever the context: under no_grad nothing carries a gradient anyway)."""
         coef = 0.0 if self.entropy_coef is None else self.entropy_coef
         return self.with_entropy and coef != 0
+
+    @property
+    def loss_takes_every_output(self) -> bool:
+        """A backward from response rows, whose loss takes every differentiable output."""
+        return sum(self.response_lengths) > 0 and self.grad_on
 
     @property
     def grad_on(self) -> bool:
@@ -424,7 +449,7 @@ class LinearInputs:
 
 
 @dataclass(frozen=True)
-class LinearCase(_CaseBase):
+class LinearCase(CaseBase):
     """A fused-linear case (docs/fused-linear.md): hidden states [T, H] and the LM head's vocab
     shard [V_local, H] in, log-probs and entropy out. Called on the training path only, laid out
     contiguously, in one TP group (no DP replicas): the kernel level covers those axes."""
@@ -450,6 +475,7 @@ class LinearCase(_CaseBase):
     grad_on = KernelCase.grad_on
     expects_entropy_grad = KernelCase.expects_entropy_grad
     has_backward = KernelCase.has_backward
+    loss_takes_every_output = KernelCase.loss_takes_every_output
 
     @property
     def hidden_grad(self) -> bool:
@@ -517,7 +543,7 @@ class DistillInputs:
 
 
 @dataclass(frozen=True)
-class DistillCase(_CaseBase):
+class DistillCase(CaseBase):
     """A distillation case (docs/distill.md): one of the level's four functions on a student's (and a
     teacher's) `[T, V]` logits, sharded over the vocabulary. Inputs come from (seed, T, V) only, so
     the same global case at TP 1 (tp-invariance) sees the same values."""
@@ -583,6 +609,8 @@ class DistillCase(_CaseBase):
     def has_backward(self) -> bool:
         """The upstream loss reaches the student's (or a differentiable teacher's) logits."""
         return (self.grad_on or self.teacher_grad_on) and self.function != "topk"
+
+    loss_takes_every_output = has_backward  # one output, always in the loss
 
     @property
     def width(self) -> int:
@@ -661,8 +689,6 @@ class DistillCase(_CaseBase):
 _LATER_FIELDS = frozenset({"dp", "layout", "token_layout", "context", "batch_of", "row_start", "repeat", "cp",
                            "cp_layout", "frozen", "hidden_view"})
 
-CASE_TYPES: dict[str, type] = {"kernel": KernelCase, "wrapper": WrapperCase, "linear": LinearCase,
-                               "distill": DistillCase}
 Case = KernelCase | WrapperCase | LinearCase | DistillCase
 
 

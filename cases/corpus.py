@@ -162,7 +162,7 @@ CORPUS: tuple[Regression, ...] = (
     Regression("linear-two-inputs-one-graph", "caller: two hidden-state batches through the fused head in one graph",
                "gradients", LinearCase(tp=2, T=6, H=8, v_local=5, context="two_inputs", seed=243)),
     Regression("linear-deep-accumulation", "verl's FusedLinearForPPO: dW summed over row chunks in bf16; 256 chunks "
-               "of drifting data take it past the bound (scripts/deep_accumulation.py)", "gradients",
+               "of drifting data take it past the bound (scripts/studies/deep_accumulation.py)", "gradients",
                LinearCase(tp=1, T=256, H=8, v_local=16, dtype="bf16", regime="drift", chunk_size=1, with_entropy=False,
                           seed=244)),
     Regression("wrapper-transposed-contiguous-copy", "a false finding of the harness's own: a wrapper's contiguous copy of "

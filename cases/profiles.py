@@ -15,38 +15,28 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Profile:
+    """A run's size. How many randomized cases each level draws per TP size at a profile is the
+    level's own (`Level.counts`, by the profile's name); the profile holds the axes every level shares."""
     name: str
-    kernel_cases: int  # randomized kernel cases per TP size
-    wrapper_cases: int  # randomized wrapper cases per TP size
     # TP sizes (among those asked for) also explored as subgroups of a world of DP = 2 replicas, as
-    # in training, where a reduction over the wrong group gives a wrong answer; cases per TP size.
+    # in training, where a reduction over the wrong group gives a wrong answer.
     dp_tp: tuple[int, ...] = ()
-    dp_kernel_cases: int = 0
-    dp_wrapper_cases: int = 0
     # TP sizes added to those asked for (small cases: the strategies' shapes are small at any size),
     # explored in their own step at `extra_tp_share` of the per-size counts: a TP 8 case costs about
     # six TP 1 cases on 2 cores (docs/performance.md), so an even share would be most of a run.
     extra_tp: tuple[int, ...] = ()
     extra_tp_share: float = 1.0  # of the per-size counts, for each extra TP size
-    linear_cases: int = 0  # randomized fused-linear cases per TP size (docs/fused-linear.md)
-    distill_cases: int = 0  # randomized distillation cases per TP size (docs/distill.md)
-    dp_distill_cases: int = 0
-    # Context parallelism (docs/context-parallel.md): wrapper cases in TP x CP worlds, per CP size and
-    # TP size (the TP sizes among those asked for, or the smallest asked for); both CP layouts drawn.
+    # Context parallelism (docs/context-parallel.md): the CP sizes of a level that takes CP, and the
+    # TP sizes it runs them at (those among the ones asked for, or the smallest asked for).
     cp_sizes: tuple[int, ...] = ()
     cp_tp: tuple[int, ...] = (1, 2)
-    cp_wrapper_cases: int = 0
 
 
 PROFILES = {
-    "smoke": Profile("smoke", kernel_cases=12, wrapper_cases=5, linear_cases=4, distill_cases=6,
-                     cp_wrapper_cases=2),  # CP only when asked for (--cp)
-    "ci": Profile("ci", kernel_cases=150, wrapper_cases=40, dp_tp=(2,), dp_kernel_cases=24, dp_wrapper_cases=6,
-                  linear_cases=30, cp_sizes=(2,), cp_wrapper_cases=8, distill_cases=40, dp_distill_cases=4),
+    "smoke": Profile("smoke"),  # CP only when asked for (--cp)
+    "ci": Profile("ci", dp_tp=(2,), cp_sizes=(2,)),
     # Sized to finish in under 15 minutes on 2 cores (docs/performance.md has the case counts).
-    "thorough": Profile("thorough", kernel_cases=1200, wrapper_cases=400, dp_tp=(2, 4), dp_kernel_cases=300,
-                        dp_wrapper_cases=80, extra_tp=(3, 8), extra_tp_share=0.25, linear_cases=300, cp_sizes=(2, 4), cp_wrapper_cases=60,
-                        distill_cases=400, dp_distill_cases=60),
+    "thorough": Profile("thorough", dp_tp=(2, 4), extra_tp=(3, 8), extra_tp_share=0.25, cp_sizes=(2, 4)),
 }
 DEFAULT_PROFILE = "ci"
 

@@ -53,7 +53,7 @@ def _chunk(draw, rows: int) -> int:
 
 # The deep-accumulation regime: many row chunks (T 128-256, chunks of 1-2 rows: 64-256 chunks) at
 # small H and V_local, so it stays cheap. A dW summed over chunks in bf16/fp16 exceeds the bound by
-# 2-4x at 128-256 chunks on drifting data, and by at most 1.15x at 32 (scripts/deep_accumulation.py,
+# 2-4x at 128-256 chunks on drifting data, and by at most 1.15x at 32 (scripts/studies/deep_accumulation.py,
 # docs/tolerances.md); the shallow draws (T <= 24) make at most two dozen chunks. The regime is
 # drawn at TP 1 only: the error it looks for is each rank's own arithmetic, and at TP > 1 every chunk
 # pays its collectives (hundreds of them per case, seconds on a loaded CPU). The corpus holds one.
@@ -61,13 +61,13 @@ DEEP_T = (128, 256)
 DEEP_CHUNKS = (1, 2)
 # About one TP-1 draw in this many is deep: the linear level, where dW sums over the chunks, more
 # often (it draws a fifth as many cases as the kernel level).
-DEEP_ONE_IN = {"kernel": 8, "linear": 4}
+KERNEL_DEEP_ONE_IN = 8
+LINEAR_DEEP_ONE_IN = 4
 
 
-def _deep(draw, tp: int, level: str) -> dict | None:
-    """The deep regime's T and chunk size, about one TP-1 draw in DEEP_ONE_IN (drawn last, so that
+def _deep(draw, tp: int, one_in: int) -> dict | None:
+    """The deep regime's T and chunk size, about one TP-1 draw in `one_in` (drawn last, so that
     the other draws are unchanged), else None."""
-    one_in = DEEP_ONE_IN[level]
     if tp != 1 or draw(st.integers(0, one_in - 1)) != one_in - 1:
         return None
     return dict(T=draw(st.integers(*DEEP_T)), chunk_size=draw(st.sampled_from(DEEP_CHUNKS)))
@@ -112,7 +112,7 @@ def kernel_cases(draw, tp=st.sampled_from(TP_SIZES), dtype=st.sampled_from(("fp3
         dp=draw(dp),
         **_how_called(draw),
     )
-    deep = _deep(draw, case.tp, "kernel")
+    deep = _deep(draw, case.tp, KERNEL_DEEP_ONE_IN)
     if deep is None:
         return case
     # Small rows, so that hundreds of chunks stay cheap; no keep mask or second call to pay for.
@@ -184,7 +184,7 @@ def linear_cases(draw, tp=st.sampled_from(TP_SIZES), dtype=st.sampled_from(("fp3
     frozen = draw(_mostly_first(FROZEN))
     case = case.replace(frozen=frozen if case.requires_grad else FROZEN[0],
                         context=draw(st.one_of(st.just(LINEAR_CONTEXTS[0]), st.sampled_from(LINEAR_CONTEXTS))))
-    deep = _deep(draw, case.tp, "linear")
+    deep = _deep(draw, case.tp, LINEAR_DEEP_ONE_IN)
     if deep is not None:
         case = case.replace(**deep, H=draw(st.integers(1, 16)), v_local=draw(st.integers(1, 8)), regime=DRIFT,
                             context="train")
@@ -228,5 +228,3 @@ def distill_cases(draw, tp=st.sampled_from(TP_SIZES), dtype=st.sampled_from(("fp
                                                st.sampled_from(DISTILL_CONTEXTS))))
 
 
-LEVEL_STRATEGIES = {"kernel": kernel_cases, "wrapper": wrapper_cases, "linear": linear_cases,
-                    "distill": distill_cases}

@@ -143,7 +143,7 @@ def traced_gathers(ctx) -> list:
 
 def both_ledgers(ctx, case, target_spec: str) -> dict:
     """This rank's memory figures of one case, measured by each ledger in turn (the wrapper's
-    kernel-pass figures included): what scripts/ledger_check.py compares."""
+    kernel-pass figures included): what tests/test_ledger_parity.py compares."""
     from harness.engine.executor import case_job
     from harness.meters import memory_meter
 

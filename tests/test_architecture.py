@@ -21,6 +21,7 @@ LAYERS: tuple[str, ...] = (
     "harness.targets",   # loading a target; the built-in routines, the mutation catalog, the peers
     "harness.engine",    # the rank side: the rank loop, a rank's shard of a case, the executor, observations
     "harness.checks",    # the check registry, the oracle and tolerances, findings, known findings
+    "harness.levels",    # one module per level: its Level object, bundling what of the layers below is its own
     "harness.driver",    # the driver side: pools, torchrun, runner, explorer, limits, process state
     "harness.perf",      # the performance gate: baselines, timing jobs, clocks, callgrind
     "harness.report",    # the console printer, the result JSON, the HTML/markdown reports
@@ -178,3 +179,79 @@ def test_a_module_name_used_twice_says_why_in_its_docstring():
               for paths in namesakes().values() for path in paths
               if not any(_short(p) in _docstring(path) for p in paths if p != path)]
     assert not silent, "modules sharing a name whose docstring names none of its namesakes:\n" + "\n".join(silent)
+
+
+# ------------------------------------------------------------------ the levels are units
+LEVEL_PACKAGE = "harness.levels"
+# What the shared code may still ask of a level by its name or case class: at most this many places
+# (docs/architecture.md). The levels' own modules and the case classes' file are a level's own code;
+# the peers and the mutation catalog name the levels they adapt or break.
+OWN = ("harness/levels/", "harness/targets/peers/", "harness/targets/mutants/", "cases/case.py")
+MAX_LEVEL_COMPARISONS = 10
+
+
+def _level_names() -> set[str]:
+    from harness.base import levels
+    return set(levels.BUILTIN)
+
+
+def _case_classes() -> set[str]:
+    from harness.base import levels
+    return {lv.case_class.__name__ for lv in levels.all_levels().values()}
+
+
+def level_comparisons() -> list[str]:
+    """Where shared code compares a level's name (a literal, or a case's `.level`) or tests a case's
+    class (`isinstance(c, KernelCase)`): each is a place a new level must edit."""
+    names, classes = _level_names(), _case_classes()
+
+    def names_level(n: ast.AST) -> bool:
+        if isinstance(n, ast.Constant):
+            return n.value in names
+        if isinstance(n, (ast.Tuple, ast.List, ast.Set)):
+            return any(names_level(e) for e in n.elts)
+        return isinstance(n, ast.Attribute) and n.attr == "level"
+
+    def is_case_class(n: ast.AST) -> bool:
+        if isinstance(n, ast.Tuple):
+            return any(is_case_class(e) for e in n.elts)
+        return (isinstance(n, ast.Name) and n.id in classes) or (isinstance(n, ast.Attribute) and n.attr in classes)
+
+    found = []
+    for top in ("harness", "cases", "reference"):
+        for path in sorted((ROOT / top).rglob("*.py")):  # rglob does not follow harness/cases -> ../cases
+            rel = path.relative_to(ROOT).as_posix()
+            if rel.startswith(OWN):
+                continue
+            for node in _runtime_nodes(ast.parse(path.read_text())):
+                if isinstance(node, ast.Compare) and any(names_level(o) for o in (node.left, *node.comparators)):
+                    found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+                elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance" \
+                        and len(node.args) == 2 and is_case_class(node.args[1]):
+                    found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_shared_code_asks_the_level_instead_of_comparing_its_name():
+    found = level_comparisons()
+    assert len(found) <= MAX_LEVEL_COMPARISONS, (
+        f"{len(found)} places compare a level's name or case class outside the levels' own modules "
+        f"(at most {MAX_LEVEL_COMPARISONS}); ask the case's level (`harness.base.levels.of`) instead:\n"
+        + "\n".join(found))
+
+
+def test_the_comparison_count_sees_a_comparison(monkeypatch, tmp_path):
+    """A hand-off by level name in a shared module is counted (a count that cannot rise is no gate)."""
+    (tmp_path / "harness").mkdir()
+    (tmp_path / "harness" / "shared.py").write_text(
+        'def f(case):\n    if case.level == "distill":\n        return 1\n    return isinstance(case, KernelCase)\n')
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    assert len(level_comparisons()) == 2
+
+
+def test_shared_code_imports_no_level_module():
+    """The levels' modules are a layer of their own: below them nothing imports one (the registry in
+    `harness.base.levels` finds them by name), so a new level is added without editing what runs it."""
+    importers = sorted(m for m, deps in GRAPH.items() if not m.startswith(LEVEL_PACKAGE) and not in_root(m)
+                       and any(d.startswith(LEVEL_PACKAGE + ".") for d in deps))
+    assert not importers, f"modules importing a level module: {importers}"

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from harness.base.levels import fit
 from harness.cases.benchmarks import PERF_CASES
-from harness.cases.capabilities import fit, needs
+from harness.cases.capabilities import needs
 from harness.cases.corpus import CORPUS
 from harness.checks import all_checks
 from harness.driver.explorer import explore, run_corpus

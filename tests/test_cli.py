@@ -33,7 +33,7 @@ def test_bad_options_exit_2(argv, capsys):
 
 
 @pytest.mark.parametrize("target, words", [
-    ("tests.broken.neither", "defines neither"),
+    ("tests.broken.neither", "defines none of the contract's functions"),
     ("tests.broken.bad_signature", "does not match the contract"),
     ("tests.broken.import_error", "cannot import target"),
     ("no.such.module", "cannot import target"),
@@ -144,7 +144,7 @@ PROBE_CHECK = '''\
 from harness.checks import check
 
 
-@check("probe-new-module", levels=("kernel",), needs=None)
+@check("probe-new-module", evidence=("batch-rows",), needs=None)
 def probe(ev):
     """Fails on every case: shows that the check ran."""
     return [f"the probe ran on {ev.case.T} rows"]

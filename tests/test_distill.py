@@ -103,8 +103,8 @@ def test_an_infinite_divergence_where_the_student_has_no_mass() -> None:
 # ---------------------------------------------------------------------------- cases, loader, fitting
 from hypothesis import given, settings  # noqa: E402
 
+from harness.base.levels import fit  # noqa: E402
 from harness.base.options import DEFAULT_TARGET  # noqa: E402
-from harness.cases.capabilities import fit  # noqa: E402
 from harness.cases.case import DIVERGENCES, DistillCase, parse_case  # noqa: E402
 from harness.cases.strategies import distill_cases  # noqa: E402
 from harness.targets import from_namespace, load_target  # noqa: E402

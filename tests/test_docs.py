@@ -319,6 +319,8 @@ def dead_file(path: str, member: str | None) -> str | None:
             return f"{path} has no {member}"
         return None
     folder, _, file = path.rpartition("/")
+    if not lacks(set(), file.removesuffix(".py")):
+        return None  # `harness/levels/NAME.py`: a placeholder
     ours = (any(f"/{p}".endswith(f"/{folder}/{p.rpartition('/')[2]}") for p in project_files()) if folder
             else file.removesuffix(".py") in project_modules())
     return f"no file {path} in the project" if ours else None
@@ -451,7 +453,7 @@ def test_the_readme_has_figures_of_record():
     """The check below has teeth: the Figures table parses into commands and their quantities."""
     record = figures_of_record()
     assert len(record) >= 10 and all(record.values())
-    assert record["python scripts/throughput.py --cases 100"]["case runs/s at tp"] == {55.6, 90.5, 41.2}
+    assert record["python benchmarks/throughput.py --cases 100"]["case runs/s at tp"] == {55.6, 90.5, 41.2}
 
 
 @pytest.mark.parametrize("page", PAGES, ids=rel)

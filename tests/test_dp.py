@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from harness.base import levels
 from harness.cases.case import KernelCase, WrapperCase, parse_case
 from harness.cases.profiles import PROFILES
 from harness.commands.mutate import run_catalog
@@ -63,16 +64,17 @@ def test_world_group_reduce_is_killed_by_the_default_run(harness_pools):
 
 
 def test_ci_profile_explores_tp2_inside_a_world_of_4_and_thorough_beyond_4():
+    counts = levels.get("kernel").counts
     steps = plan(PROFILES["ci"], ("kernel", "wrapper"), [1, 2, 4])
-    assert ("kernel", [2], PROFILES["ci"].dp_kernel_cases, 2, 1) in steps
+    assert ("kernel", [2], counts.dp["ci"], 2, 1) in steps
     assert all(dp == 1 for *_, dp, _cp in steps[:2])
     thorough = plan(PROFILES["thorough"], ("kernel",), [1, 2, 4])
-    per_size = PROFILES["thorough"].kernel_cases
+    per_size = counts.cases["thorough"]
     assert thorough[:2] == [("kernel", [1, 2, 4], 3 * per_size, 1, 1),
                             ("kernel", [3, 8], 2 * round(per_size * PROFILES["thorough"].extra_tp_share), 1, 1)]
     assert plan(PROFILES["thorough"], ("kernel",), [8])[:2] == [("kernel", [8], per_size, 1, 1),
                                                              ("kernel", [3], round(per_size / 4), 1, 1)]
-    assert plan(PROFILES["ci"], ("kernel",), [2], launched=True) == [("kernel", [2], PROFILES["ci"].kernel_cases, 1, 1)]
+    assert plan(PROFILES["ci"], ("kernel",), [2], launched=True) == [("kernel", [2], counts.cases["ci"], 1, 1)]
 
 
 @pytest.mark.parametrize("tp", [3, 8])

@@ -19,7 +19,11 @@ import pytest
 
 from harness.base.errors import TargetError
 from harness.cli import main
+from harness.commands import history
 from harness.commands.repro import UNTESTABLE
+from harness.driver.git_trees import Commit, Git, commits
+from harness.driver.replay import CommitOutcome
+from harness.report.history_table import history_rows, render_html, render_markdown, transitions
 from harness.targets import from_namespace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,6 +169,40 @@ def test_a_module_without_any_contract_function_is_refused_at_once(repo, tmp_pat
     assert main(["history", str(repo_path), "--target", str(repo_path / "lp.py")]) == 2
     assert "is a file: history cannot tell which of the repository's files its commits change; name them with " \
            "--paths" in capsys.readouterr().err
+
+
+def _contract_functions() -> list[tuple[str, str]]:
+    from harness.base import levels
+    return [(lvl.name, c.name) for lvl in levels.all_levels().values() for c in lvl.contracts.values()]
+
+
+@pytest.mark.parametrize("level,function", _contract_functions())
+def test_a_module_of_one_levels_function_is_taken(tmp_path, level, function):
+    """Any one contract function, of any level, is something to check: history goes on with it."""
+    path = tmp_path / "trainer"
+    (path / "pkg").mkdir(parents=True)
+    _git(path, "init", "-q")
+    (path / "pkg" / "__init__.py").write_text("")
+    (path / "pkg" / "ops.py").write_text(f"from harness.targets.fused import {function}  # noqa: F401\n")
+    _git(path, "add", ".")
+    _git(path, "commit", "-q", "-m", "ops")
+    git = Git(path)
+    rev = git("rev-parse", "HEAD").strip()
+    history._refuse_without_contract(git, "pkg.ops", rev, commits(git, ["pkg/ops.py"], None, rev))  # no UsageError
+
+
+def test_history_of_a_distillation_only_module_checks_its_commit(tmp_path, capsys):
+    """A module that exports only one distillation function is checked at that level, end to end."""
+    path = tmp_path / "trainer"
+    path.mkdir()
+    _git(path, "init", "-q")
+    (path / "kd.py").write_text("from harness.targets.fused import distill_gather  # noqa: F401\n")
+    _git(path, "add", ".")
+    _git(path, "commit", "-q", "-m", "kd")
+    out = tmp_path / "out"
+    assert main(["history", str(path), "--target", "kd", "--profile", "smoke", "--tp", "1", "--out", str(out)]) == 0
+    row = json.loads((out / "history.json").read_text())["rows"][0]
+    assert row["status"] == "checked" and not any(c["state"] == "finding" for c in row["cells"].values()), row
 
 
 MARK = "HARNESS_HISTORY_TEST_RUN"  # in the environment of every process a run below starts
@@ -316,3 +354,60 @@ def test_a_mirror_without_some_blobs_is_exported_without_them(tmp_path):
     out.mkdir()
     assert Git(repo).export("HEAD", out) == ["big.svg"]
     assert (out / "lp.py").read_text() == "X = 1\n" and not (out / "big.svg").exists()
+
+
+def _history(rows: list[dict], families: list[str]) -> dict:
+    """What `cmd_history` renders, around hand-built rows."""
+    return {"repo": "/r", "target": "lp", "paths": ["lp.py"], "profile": "smoke", "tp": [1], "checked": len(rows),
+            "elapsed_s": 1.0, "families": families, "rows": rows, "transitions": transitions(rows)}
+
+
+def _family(check: str, term: str = "", failed: int = 0, known: int = 0) -> dict:
+    return {"check": check, "term": term, "context": "", "label": check, "applied": 40, "failed": failed,
+            "beyond": 0, "known": known, "configs": {"tp=1": [40, failed + known]}}
+
+
+def test_a_family_counted_failing_without_a_finding_recorded_is_rendered():
+    """A result counts a family's failures without listing a finding of it (a check keeps the first
+    KNOWN_KEPT known findings, and stops at --max-findings): the page says what is known."""
+    result = {"cases_run": 40, "levels": ["kernel"], "findings": [], "known_findings": [],
+              "families": {"gradients [entropy]": _family("gradients", "entropy", known=3),
+                           "values": _family("values", failed=2)}}
+    commit = Commit("a" * 40, "cut", "2024-01-01", "blob")
+    rows = history_rows([commit], {commit.sha: CommitOutcome("checked", result=result)})
+    h = _history(rows, ["gradients [entropy]", "values"])
+    page = render_html(h)
+    assert 'title="3 failing case(s) counted, no finding recorded' in page
+    assert 'title="2 failing case(s) counted, no finding recorded' in page
+    text = render_markdown(h)
+    assert "FAILS ALREADY: known (3/40)" in text and text.count("| not fixed | no finding recorded |") == 2
+
+
+def test_the_table_is_well_formed_when_no_commit_is_testable():
+    """No family column at all: the header, its separator and each row have the same cells."""
+    listed = [Commit(c * 40, "old", "2024-01-01", "blob") for c in "bc"]
+    rows = history_rows(listed, {c.sha: CommitOutcome("untestable", reason="lp: no module named lp") for c in listed})
+    text = render_markdown(_history(rows, []))
+    table = text.split("\n\n")[2].splitlines()
+    assert len(table) == 4 and all(line.count("|") == 5 for line in table), text
+    assert table[0] == "| commit | authored | subject | result |" and table[1] == "|---|---|---|---|"
+    assert "No commit could be checked" in text
+
+
+def test_the_dates_shown_are_the_author_dates(tmp_path, monkeypatch):
+    """A rebased branch's commits share one committer date: each row shows when its change was written."""
+    path = tmp_path / "rebased"
+    path.mkdir()
+    _git(path, "init", "-q")
+    monkeypatch.setenv("GIT_COMMITTER_DATE", "2024-05-09T12:00:00")
+    for day in (1, 2):
+        (path / "lp.py").write_text(f"X = {day}\n")
+        _git(path, "add", "lp.py")
+        _git(path, "commit", "-q", "-m", f"day {day}", "--date", f"2024-03-0{day}T12:00:00")
+    listed = commits(Git(path), ["lp.py"], None, "HEAD")
+    rows = history_rows(listed, {c.sha: CommitOutcome("untestable", reason="r") for c in listed})
+    assert [r["date"] for r in rows] == ["2024-03-01", "2024-03-02"]
+    text, page = render_markdown(_history(rows, [])), render_html(_history(rows, []))
+    assert "| commit | authored | subject | result |" in text and "<th>authored</th>" in page
+    assert "| 2024-03-02 | day 2 |" in text and "<td>2024-03-02</td>" in page
+    assert "2024-05-09" not in text + page

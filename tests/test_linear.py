@@ -22,7 +22,7 @@ from harness.meters.matmul_flops import Work
 from harness.targets import load_target
 from harness.targets.mutants import catalog
 
-STUDY = Path(__file__).resolve().parent.parent / "scripts" / "linear_tolerance_study.py"
+STUDY = Path(__file__).resolve().parent.parent / "scripts" / "studies" / "linear_tolerance_study.py"
 LINEAR_CHECKS = ("values", "gradients", "grad-flags", "shapes-dtypes", "finite", "crash", "hang", "collectives",
                  "chunk-invariance", "tp-invariance", "input-integrity", "empty-input", "memory-metric-only",
                  "memory-backward-frees", "memory-linear-retained", "memory-budget", "frozen-input-work",

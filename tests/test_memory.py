@@ -12,12 +12,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness.cases.case import KernelCase, WrapperCase
+from harness.cases.case import DistillCase, KernelCase, WrapperCase
 from harness.cases.corpus import CORPUS
 from harness.cases.strategies import kernel_cases, linear_cases, wrapper_cases
 from harness.checks import all_checks
 from harness.checks import memory as memory_checks
 from harness.driver.runner import Runner
+from harness.engine.observations import TensorMeta
 from harness.meters import memory_meter
 from harness.targets.mutants import catalog
 
@@ -206,7 +207,8 @@ def _findings(runner: Runner, case) -> dict[str, str]:
 
 
 MUTANTS = ("metric-only-entropy-retained", "metric-only-graph-detached", "ctx-outlives-backward",
-           "forward-buffers-kept", "chunk-size-ignored", "chunked-grad-buffer-float32", "wrapper-logits-float32")
+           "forward-buffers-kept", "chunk-size-ignored", "chunked-grad-buffer-float32", "wrapper-logits-float32",
+           "distill-logits-float32-before-chunks")
 
 
 def test_memory_mutants_are_in_the_catalog():
@@ -289,6 +291,25 @@ def test_float32_copies_of_half_precision_logits_caught(harness_pools, tp):
         assert not check.applicable(case, runner.target) and not _findings(runner, case)
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("tp", [1, 2])
+def test_whole_logits_upcast_in_front_of_distillation_chunks_caught(harness_pools, tp):
+    """The distillation level: the whole student (and teacher) logits cast to float32 in front of the
+    chunked top-k or divergence is a float32 copy at the forward's peak. The built-in routine passes
+    the same cases: it upcasts a chunk at a time and builds the gradients in the logits' dtype (the
+    log-softmax's float32 output has the caller's float32 gradient, which is granted)."""
+    small = dict(tp=tp, T=16, v_local=64, chunk_size=4, seed=50)
+    cases = (DistillCase(function="topk", k=3, requires_grad=False, dtype="bf16", **small),
+             DistillCase(kind="jsd", k=0, teacher_grad=True, dtype="bf16", **small),
+             DistillCase(function="log_softmax", dtype="fp16", **small))
+    clean = Runner("harness.targets.fused", pools=harness_pools)
+    upcast = Runner("mutant:distill-logits-float32-before-chunks", pools=harness_pools)
+    for case in cases:
+        assert not _findings(clean, case), case.spec()
+        found = _findings(upcast, case).get("memory-logits-dtype", "")
+        assert "the forward's peak" in found and "float32[16, 64] 4,096 B (alive, from _to_copy)" in found, found
+
+
 def _figures(*tensors: tuple, peak_backward: tuple = (), retained: tuple = ()) -> dict:
     """One rank's memory figures, by hand: (shape, dtype, how, op) per listed tensor."""
     size = {"float32": 4, "bfloat16": 2, "int64": 8}
@@ -298,9 +319,30 @@ def _figures(*tensors: tuple, peak_backward: tuple = (), retained: tuple = ()) -
             "peak_backward": 1 if peak_backward else None, "peak_backward_tensors": describe(peak_backward)}
 
 
-def _judge(case, figures: dict) -> list[str]:
-    rank = SimpleNamespace(name="rank 0", obs=SimpleNamespace(memory=figures))
+def _judge(case, figures: dict, output: TensorMeta | None = None) -> list[str]:
+    rank = SimpleNamespace(name="rank 0", obs=SimpleNamespace(memory=figures, log_prob_meta=output, entropy_meta=None))
     return memory_checks.logits_dtype(SimpleNamespace(case=case, ranks=[rank]))  # type: ignore[arg-type]
+
+
+def test_what_memory_no_vocab_gather_judges():
+    """By hand: a chunk's rows over the whole vocabulary is a gather; a vector over the rows as long as
+    V (alone, or stacked for student and teacher) and the caller's own buffer of a col-strided view
+    (its gradient, from the view's backward) are not."""
+    from harness.checks.distill import no_vocab_gather
+
+    def judge(case, *tensors):
+        rank = SimpleNamespace(name="rank 0", obs=SimpleNamespace(memory=_figures(*tensors)))
+        return no_vocab_gather(SimpleNamespace(case=case, ranks=[rank]))  # type: ignore[arg-type]
+
+    case = DistillCase(tp=2, T=30, v_local=13, function="divergence", chunk_size=4)
+    assert "float32[4, 26]" in judge(case, ((4, 26), "float32", "alive", "cat"))[0]
+    assert judge(case, ((30,), "float32", "alive", "sum")) == []  # the per-token divergence, T >= V
+    assert judge(case, ((2, 30), "float32", "alive", "stack")) == []  # student's and teacher's normalisers
+    one_row = case.replace(chunk_size=1)
+    assert judge(one_row, ((30,), "float32", "alive", "sum"), ((2, 1), "float32", "alive", "stack")) == []
+    strided = case.replace(T=3, layout="col_strided")
+    assert judge(strided, ((3, 26), "float32", "alive", "slice_backward")) == []  # the caller's [T, 2 V_local]
+    assert "float32[3, 26]" in judge(strided.replace(layout="contiguous"), ((3, 26), "float32", "alive", "cat"))[0]
 
 
 def test_what_memory_logits_dtype_judges():
@@ -327,6 +369,21 @@ def test_what_memory_logits_dtype_judges():
     assert "chunks of [1, 64]" in _judge(case.replace(tp=1, T=40, chunk_size=1, v_local=64),
                                          _figures(((1, 64), "float32", "alive", "_to_copy"),
                                                   peak_backward=tuple(pieces)))[0]
+    # Top-k log-probs stacked for student and teacher, [2, chunk_size, K] and [2, T, K], whose sizes
+    # equal T or V_local: not the logits, which are laid out [T, V_local]
+    for rows, chunk_size, stack in ((8, 5, (2, 5, 8)), (8, 5, (2, 8, 8)), (2, 1, (2, 1, 8))):
+        small = case.replace(T=rows, v_local=8, chunk_size=chunk_size)
+        chunk8 = ((chunk_size, 8), "float32", "alive", "_to_copy")
+        assert _judge(small, _figures((stack, "float32", "alive", "stack"), chunk8)) == [], stack
+        assert _judge(small, _figures(((rows, 8), "float32", "alive", "_to_copy"), chunk8)) != []
+    # A float32 output of the logits' shape (the sharded log-softmax): the caller's loss holds two
+    # float32 gradients of it at once; a third whole buffer is the routine's.
+    output = TensorMeta((16, 64), "float32", True)
+    upstream = ((16, 64), "float32", "alive", "mul")
+    assert _judge(case, _figures(chunk, peak_backward=(upstream, upstream, chunk)), output) == []
+    assert "from mul" in _judge(case, _figures(chunk, peak_backward=(upstream, upstream, chunk)))[0]
+    found = _judge(case, _figures(chunk, peak_backward=(upstream, upstream, grad)), output)
+    assert len(found) == 1 and "float32[16, 64] 4,096 B (alive, from zeros_like)" in found[0]
 
 
 @pytest.mark.distributed
@@ -393,7 +450,7 @@ def test_recorded_nucleus_is_granted_its_own_size(harness_runner, monkeypatch):
 @pytest.mark.parametrize("strategy", [kernel_cases, wrapper_cases, linear_cases], ids=["kernel", "wrapper", "linear"])
 def test_the_compiled_ledger_counts_what_the_dispatch_mode_counts(harness_pools, strategy):
     """Every figure of every rank, by the C++ ledger and by the dispatch mode, on drawn cases of
-    the built-in routine at TP 2 (scripts/ledger_check.py runs the same comparison at scale)."""
+    the built-in routine at TP 2 (tests/test_ledger_parity.py, a slow test, runs the same comparison at scale)."""
     runner = Runner("harness.targets.fused", pools=harness_pools)
 
     @settings(max_examples=6, deadline=None, derandomize=True, database=None,

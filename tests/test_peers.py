@@ -22,6 +22,7 @@ from harness.checks.use import parse_use
 from harness.driver.explorer import strategy_for
 from harness.driver.runner import Runner
 from harness.targets import load_target
+from harness.targets.declaration import Declaration, PeerInfo
 from harness.targets.peers import peers
 
 PEERS = {p.name: p for p in peers()}
@@ -169,13 +170,13 @@ def test_every_witness_is_a_known_or_beyond_use_check() -> None:
 
 
 def test_every_peer_declares_its_use_citing_its_callers() -> None:
-    """Each adapter's HARNESS_USE is valid (`checks.use`) and each entry cites a file and line."""
+    """Each adapter's declared use is valid (`checks.use`) and each entry cites a file and line."""
     import re
 
     for peer in PEERS.values():
         module = importlib.import_module(peer.spec)
-        assert hasattr(module, "HARNESS_USE"), peer.name
-        for entry in parse_use(peer.spec, module.HARNESS_USE):
+        assert isinstance(getattr(module, "HARNESS", None), Declaration), peer.name
+        for entry in parse_use(peer.spec, module.HARNESS.use):
             assert re.search(r"[\w/.-]+\.\w+:\d+", entry.reason), f"{peer.name}: {entry.reason}"
 
 
@@ -267,7 +268,7 @@ def test_nemo_rl_declares_what_it_does_not_claim_and_how_to_enable_it() -> None:
     says how to put a NeMo-RL tree on PYTHONPATH when it is absent."""
     from dataclasses import replace
 
-    from harness.cases.capabilities import fit
+    from harness.base.levels import fit
     from harness.commands.peers import _why_not
     from harness.targets.peers.nemo_rl import calculate_log_probs_and_entropy, get_log_probs_and_entropy
 
@@ -291,7 +292,7 @@ def test_nemo_rl_cp_gradient_is_drawn_only_where_it_can_run() -> None:
     """NeMo-RL's CP backward moves an index to CUDA: on CPU a CP case with a gradient becomes the same
     case without autograd (its forward, and the training path's forward, are still checked); on
     CUDA it stays as drawn. A CP-1 case keeps its gradient everywhere."""
-    from harness.cases.capabilities import fit
+    from harness.base.levels import fit
 
     train = WrapperCase(tp=1, v_local=5, total_lengths=(6, 4), response_lengths=(3, 2), with_entropy=False, cp=2,
                         context="accumulate")
@@ -464,9 +465,9 @@ def test_a_tree_whose_routine_does_not_import_here_is_refused_not_run(tmp_path, 
         (tmp_path / name / "fakepeer" / "ops.py").write_text("def log_probs(logits, tokens):\n    return logits\n")
         monkeypatch.syspath_prepend(str(tmp_path / name))
 
-    monkeypatch.setitem(sys.modules, "fake_adapter", SimpleNamespace(HARNESS_PEER=dict(
+    monkeypatch.setitem(sys.modules, "fake_adapter", SimpleNamespace(HARNESS=Declaration(peer=PeerInfo(
         requires=("fakepeer",), install="put fakepeer on PYTHONPATH",
-        upstream=("fakepeer.ops.log_probs", "fakepeer.ops.entropy"))))
+        upstream=("fakepeer.ops.log_probs", "fakepeer.ops.entropy")))))
     tree("broken", "import a_module_that_does_not_exist\n")
     assert absent_here("fake_adapter") == ("fake_adapter: fakepeer.ops cannot be imported here: "
                                            "ModuleNotFoundError: No module named 'a_module_that_does_not_exist'")
@@ -490,8 +491,8 @@ def test_a_folder_named_like_the_peer_is_not_the_peer(tmp_path, monkeypatch) -> 
 
     (tmp_path / "fakepeer").mkdir()
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(sys.modules, "fake_adapter", SimpleNamespace(HARNESS_PEER=dict(
-        requires=("fakepeer",), install="pip install fakepeer", upstream=("fakepeer.ops.log_probs",))))
+    monkeypatch.setitem(sys.modules, "fake_adapter", SimpleNamespace(HARNESS=Declaration(peer=PeerInfo(
+        requires=("fakepeer",), install="pip install fakepeer", upstream=("fakepeer.ops.log_probs",)))))
     why = absent_here("fake_adapter")
     assert why and "none of its routines" in why and "log_probs in fakepeer.ops" in why, why
     peer = Peer("fake", "fake_adapter", ("fakepeer",), "pip install fakepeer", ("fakepeer.ops.log_probs",), "", False, None)

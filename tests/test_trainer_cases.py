@@ -23,7 +23,7 @@ from harness.targets import load_target
 
 CPU = torch.device("cpu")
 FUSED = "harness.targets.fused"
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "deep_accumulation.py"
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "studies" / "deep_accumulation.py"
 NEW_MUTANTS = ("saved-beside-ctx", "linear-saved-beside-ctx", "linear-no-weight-grad-if-hidden-frozen",
                "linear-frozen-weight-grad-computed", "linear-weight-grad-low-precision-sum")
 

@@ -4,6 +4,7 @@ and the stand-alone scripts of `harness repro --script` read them."""
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -18,7 +19,9 @@ from harness.checks import script as scripts
 from harness.checks.families import config_key, where
 from harness.checks.findings import BEYOND_USE, IN_USE, Finding
 from harness.checks.known import KnownFindings, load
-from harness.checks.terms import GRADIENT, gradient_terms, named_output
+from harness.checks.problems import ENTROPY, LOG_PROB, Problem, output_of
+from harness.checks.terms import gradient_terms
+from harness.checks.tolerance import compare
 from harness.checks.use import parse_use
 from harness.driver.git_trees import Commit
 from harness.driver.replay import CommitOutcome
@@ -56,13 +59,18 @@ def _module(tmp_path: Path, name: str, text: str) -> str:
     return str(path)
 
 
-def test_a_problem_names_its_output_and_a_gradient_its_loss_terms() -> None:
-    assert named_output("rank 0 log_prob: worst at [0]") == "log-prob"
-    assert named_output("rank 1 sample 0 log-probs at temperature: worst") == "log-prob"
-    assert named_output("rank 0: entropy.requires_grad=True, expected False (with_entropy_grad=0)") == "entropy"
-    assert named_output("no gradient reached the logits (log_prob is not differentiable)") == GRADIENT
-    assert named_output("grad vs TP 1: worst at [2, 7]") == GRADIENT
-    assert named_output("rank 0: the wrapper raised with entropy_coef absent") == ""
+def test_a_problem_says_its_output_and_a_gradient_its_loss_terms() -> None:
+    problems, worst = compare(torch.tensor([0.5, 1.0]), torch.tensor([0.5, 0.0], dtype=torch.float64),
+                              torch.tensor([1e-6, 1e-6], dtype=torch.float64), "rank 0 log_prob", LOG_PROB)
+    (p,) = problems
+    assert output_of(p) == LOG_PROB and p.index == (1,) and (p.actual, p.expected, p.bound) == (1.0, 0.0, 1e-6)
+    assert p.startswith("rank 0 log_prob: worst at [1]") and worst == pytest.approx(1e6)
+    assert pickle.loads(pickle.dumps(p)).output == LOG_PROB  # it crosses processes as it is
+    # The words do not decide: a problem about the entropy that names the log-prob is the entropy's.
+    assert output_of(Problem("entropy differs from log_prob's", ENTROPY)) == ENTROPY
+    assert output_of("rank 0: the wrapper raised with entropy_coef absent") == ""  # a plain string names none
+    with pytest.raises(ValueError):
+        Problem("x", "logits")
     both = parse_case("kernel:tp=2,T=3,v_local=4,seed=1")
     wrong = {"log_prob": True, "entropy": False}
     assert gradient_terms(both, lambda c: wrong[c.loss_terms]) == ("log-prob",)
@@ -120,6 +128,18 @@ def test_findings_beyond_the_use_are_marked_and_printed_after_those_in_it(harnes
 
 
 @pytest.mark.distributed
+def test_a_nan_both_ways_is_finites_finding_not_an_invariances(harness_pools) -> None:
+    """The same NaN chunked and unchunked, at TP 2 and TP 1: `finite` finds it; `chunk-invariance` and
+    `tp-invariance` compare two runs that agree, NaN for NaN, and find nothing."""
+    runner = Runner("tests.targets.nan_first_row", pools=harness_pools)
+    case = parse_case("kernel:tp=2,T=6,v_local=5,chunk_size=2,seed=3")
+    _, findings = runner.check(case)
+    fired = {f.check for f in findings}
+    assert {"finite", "values"} <= fired and not fired & {"chunk-invariance", "tp-invariance"}, fired
+    assert runner.verdicts.stats[("chunk-invariance", "kernel")].applied == 1
+    assert runner.verdicts.stats[("tp-invariance", "kernel")].applied == 1
+
+
 def test_a_gradient_finding_is_split_by_the_term_it_comes_from(harness_pools) -> None:
     """The entropy-gradient sign mutant: with both terms in the loss, only the entropy's family fails."""
     runner = Runner("mutant:entropy-grad-sign", pools=harness_pools)
@@ -192,8 +212,8 @@ def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False
 
 def test_a_script_runs_without_the_harness_and_exits_1_on_the_defect_0_without(tmp_path) -> None:
     """The script of a gradient finding, run in an interpreter that cannot import this project
-    (-I -S: no site, no PYTHONPATH; only torch's folder added), against the defective routine and
-    the fixed one."""
+    (-I -S: no site, no PYTHONPATH; only torch's folder added, the routine's file given as the
+    script's argument), against the defective routine and the fixed one."""
     from harness.targets import load_target
 
     case = parse_case("kernel:tp=1,T=3,v_local=5,with_entropy=0,with_entropy_grad=0,seed=3")
@@ -207,7 +227,7 @@ def test_a_script_runs_without_the_harness_and_exits_1_on_the_defect_0_without(t
         scripts.write(load_target(spec), case, "gradients", "log-prob", script)
         assert "harness" not in [line.split()[1].split(".")[0] for line in script.read_text().splitlines()
                                  if line.startswith(("import ", "from "))]
-        run = subprocess.run([sys.executable, "-I", "-S", "-c", boot, site, str(script)], capture_output=True,
+        run = subprocess.run([sys.executable, "-I", "-S", "-c", boot, site, str(script), spec], capture_output=True,
                              text=True, timeout=120, cwd=tmp_path, env={"PATH": os.environ.get("PATH", "")})
         codes[name] = run.returncode
         if name == "detached":

@@ -1,7 +1,9 @@
 """The check registry: one entry per check, each a small function of the evidence of one case.
 
 A check is added in one place: decorate a function in a module of this package with `@check(...)`
-(a new module is found by `all_checks`; `ORDER` only places it among the others). Its name is what
+(a new module is found by `all_checks`; `ORDER` only places it among the others). A check names the
+evidence it reads, never a level: it applies at every level whose observations give that evidence
+(`Level.evidence`, `harness.base.levels`), so a new level gets every check it has evidence for. Its name is what
 `-k` selects, what findings carry, and what the mutation catalog expects. `verdicts` turns a
 check's evidence into findings and the run's statistics.
 """
@@ -15,8 +17,9 @@ from typing import Any, Callable
 
 import torch
 
+from harness.base import levels as level_registry
 from harness.cases.case import AUTOGRAD_OFF, Case
-from harness.checks import oracle, tolerance
+from harness.checks import oracle, problems, tolerance
 from harness.engine.observations import Observation, RankResult
 from harness.targets import Target
 
@@ -30,6 +33,11 @@ class Evidence:
     ranks: list[RankResult]
     twins: dict[str, "Evidence"] = field(default_factory=dict)
     margins: list[tuple[str, float]] = field(default_factory=list)  # (what, max error / allowed)
+
+    @property
+    def level(self) -> level_registry.Level:
+        """The case's level: its judge, its evidence, its oracle."""
+        return level_registry.of(self.case)
 
     @functools.cached_property
     def expected(self) -> oracle.Expected:
@@ -67,18 +75,21 @@ class Evidence:
 
     def full_grad(self, group: list[RankResult] | None = None, second: bool = False) -> torch.Tensor | None:
         """The gradient assembled from the shards of one TP group (default: the first, replica 0 at
-        CP rank 0), in rank order: the logits' [T, V] (shards along the vocab, the last dim; at CP > 1
-        that CP rank's local rows), or at the linear level the LM head's [V, H] (along the first).
+        CP rank 0), in rank order, along the level's `grad_shard_dim`: the logits' [T, V] (shards along
+        the vocab, the last dim; at CP > 1 that CP rank's local rows), or at the linear level the LM
+        head's [V, H] (along the first).
         `second`: the second call's, in a two_inputs context."""
         shards = [r.obs.grad_2 if second else r.obs.grad for r in (group if group is not None else self.groups()[0])]
         present = [s for s in shards if s is not None]
         if len(present) != len(shards):
             return None
-        return torch.cat(present, dim=0 if self.case.level == "linear" else -1)
+        return torch.cat(present, dim=self.level.grad_shard_dim)
 
-    def compare(self, actual: Any, expected: torch.Tensor, bound: torch.Tensor, what: str) -> list[str]:
-        """`tolerance.compare`, also recording how much of the bound was used (for the margin plots)."""
-        problems, worst = tolerance.compare(actual, expected, bound, what)
+    def compare(self, actual: Any, expected: torch.Tensor, bound: torch.Tensor, what: str,
+                output: str = "", equal_nan: bool = False) -> list[str]:
+        """`tolerance.compare` (its problems about `output`), also recording how much of the bound was
+        used (for the margin plots)."""
+        problems, worst = tolerance.compare(actual, expected, bound, what, output, equal_nan)
         if worst is not None:
             self.margins.append((what, worst))
         return problems
@@ -89,11 +100,17 @@ CheckFn = Callable[[Evidence], list[str]]
 # family of cases, to apply to any case at all ("no `HARNESS_MEMORY_BUDGET` declared"): the pytest
 # route decides it before drawing a case and skips with the reason.
 RequiresFn = Callable[[Target, int], "str | None"]
-# `explain(evidence, run) -> sentence`: what more a failing check can say by running other cases
-# (`run(case)` returns their evidence), e.g. which loss term a wrong gradient comes from. It costs
-# runs, so the runner asks it only of the findings a run reports (`Runner.explain`), not of every
-# failing case that exploring and shrinking meet.
-ExplainFn = Callable[[Evidence, Callable[[Case], Evidence]], str]
+
+
+@dataclass(frozen=True)
+class Explain:
+    """What more a failing check can say from other cases, e.g. which loss term a wrong gradient comes
+    from. `related(case, target)` names the cases it reads, by role; the driver runs them and hands
+    their evidence to `say(evidence, related)`, which words it ("" for nothing to add). A check never
+    runs a case itself. It costs runs, so the driver asks it only of the findings a run reports
+    (`Runner.explain`), not of every failing case that exploring and shrinking meet."""
+    related: Callable[[Any, Target], dict[str, Case]]
+    say: Callable[[Evidence, dict[str, Evidence]], str]
 
 # What a check may read that a call context does not have: (contexts, why). A check that would apply
 # to a case in the training context but reads one of these says "not applied: why" instead.
@@ -131,13 +148,13 @@ CASE_LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
                            "on a rank without response rows; the redistribution's own buffers)"),
 }
 FAMILIES = ("default", "bitwise")  # bitwise: opt-in (`--bitwise`)
-CALL_LEVELS = ("kernel", "wrapper", "linear", "distill")  # checks of any call: it runs, returns, issues matched collectives
+CALL = ("call",)  # the evidence of any call: it runs, returns, issues matched collectives
 
 
 @dataclass(frozen=True)
 class Check:
     name: str
-    levels: tuple[str, ...]
+    evidence: frozenset[str]  # what of a case's observations it reads (`Level.evidence`)
     fn: CheckFn
     applies: Callable[[Case, Target], bool]
     twin: Callable[[Case], Case | None] | None
@@ -146,10 +163,18 @@ class Check:
     doc: str
     reads: tuple[str, ...] = ()  # CONTEXT_LIMITS and TARGET_LIMITS keys
     family: str = "default"
-    explain: ExplainFn | None = None
+    explain: Explain | None = None
     twin_in_same_process: bool = False
     requires: RequiresFn | None = None
     terms: bool = False  # its problems name the output they are about: a finding per term (`checks.terms`)
+
+    @property
+    def levels(self) -> tuple[str, ...]:
+        """The levels whose evidence covers this check's, in the registry's order."""
+        return level_registry.with_evidence(self.evidence)
+
+    def at(self, level: str) -> bool:
+        return self.evidence <= level_registry.get(level).evidence
 
     def excluded(self, target: Target, tp: int, cp: int = 1) -> str | None:
         """Why no case of a family (this TP and CP size) can be checked on this target, decided
@@ -181,14 +206,14 @@ class Check:
         return None
 
     def applicable(self, case: Case, target: Target) -> bool:
-        return case.level in self.levels and ranks(case) >= self.min_ranks and self.applies(case, target) \
+        return self.at(case.level) and ranks(case) >= self.min_ranks and self.applies(case, target) \
             and self.limit_note(case, target) is None
 
     def not_applied(self, case: Case, target: Target) -> str | None:
         """"not applied: why", for a case the check would apply to on the training path of a target
         that allows it to be measured, but cannot here; None when it applies, or would not apply anyway."""
         note = self.limit_note(case, target)
-        if note is None or case.level not in self.levels or ranks(case) < self.min_ranks:
+        if note is None or not self.at(case.level) or ranks(case) < self.min_ranks:
             return None
         train = case.replace(context="train") if getattr(case, "context", "train") != "train" else case
         return f"not applied: {note}" if self.applies(train, target) else None
@@ -210,21 +235,22 @@ def ranks(case: Case) -> int:
 REGISTRY: dict[str, Check] = {}
 
 
-def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
-          applies: Callable[[Any, Target], bool] = lambda c, t: True,  # Any: `levels` decides the case's class
+def check(name: str, *, evidence: tuple[str, ...],
+          applies: Callable[[Any, Target], bool] = lambda c, t: True,  # Any: `evidence` decides the case's class
           twin: Callable[[Any], Case | None] | None = None,
           needs: str | None = "backward", min_ranks: int = 1, reads: tuple[str, ...] = (),
-          family: str = "default", explain: ExplainFn | None = None,
+          family: str = "default", explain: Explain | None = None,
           twin_in_same_process: bool = False, requires: RequiresFn | None = None,
           terms: bool = False) -> Callable[[CheckFn], CheckFn]:
-    """Register a check. `needs`: the stage ("forward" or "backward") every rank must have completed
+    """Register a check. `evidence`: what it reads of a case's observations; it applies at the levels
+    that give all of it (`Level.evidence`). `needs`: the stage ("forward" or "backward") every rank must have completed
     for the check to have evidence (a rank that raised earlier is `crash`'s finding); None: always.
     `twin`: a second case the check compares against, or None to skip; it runs alongside the case, on
     another pool, unless `twin_in_same_process`: after it, in the same worker processes (a check that
     compares what a process keeps between calls: memory figures, a repeated call's bits).
     `min_ranks`: the fewest ranks sharing one sequence (TP x CP: `ranks`) at which the check can fail at all. `reads`: what of a call the
     check reads that some call contexts lack (CONTEXT_LIMITS). `family`: "bitwise" checks run only
-    when asked for (`--bitwise`). `explain`: see ExplainFn. `requires`: see RequiresFn.
+    when asked for (`--bitwise`). `explain`: see Explain. `requires`: see RequiresFn.
     `terms`: each problem the check reports names the output it is about (the log-prob, the entropy,
     a gradient), so its findings are split by loss term (`checks.terms`): one defect per family."""
     unknown = set(reads) - set(CONTEXT_LIMITS) - set(TARGET_LIMITS) - set(CASE_LIMITS)
@@ -234,7 +260,7 @@ def check(name: str, *, levels: tuple[str, ...] = ("kernel", "wrapper"),
     def register(fn: CheckFn) -> CheckFn:
         if name in REGISTRY:
             raise ValueError(f"check {name!r} registered twice")
-        REGISTRY[name] = Check(name, levels, fn, applies, twin, needs, min_ranks,
+        REGISTRY[name] = Check(name, frozenset(evidence), fn, applies, twin, needs, min_ranks,
                                (fn.__doc__ or "").strip(), tuple(reads), family, explain, twin_in_same_process,
                                requires, terms)
         return fn
@@ -247,7 +273,7 @@ BASELINE_CHECKS = ("perf-time", "perf-instructions", "perf-collectives", "perf-m
 # The order checks are listed and read in (summaries, JSON, test ids, the first finding to read): the
 # checks of these modules first, in this order (a call that crashed or hung explains the other checks'
 # failures), then those of any other module of this package, by module name.
-ORDER = ("common", "kernel", "memory", "work", "wrapper", "side_effects", "bitwise")
+ORDER = ("common", "outputs", "memory", "work", "wrapper", "side_effects", "bitwise")
 
 
 def check_modules() -> list[str]:
@@ -265,15 +291,19 @@ def all_checks(bitwise: bool = False) -> dict[str, Check]:
                        key=lambda kv: names.index(kv[1].fn.__module__)))
 
 
-def bitwise_diff(a: Any, b: Any, what: str) -> list[str]:
+def bitwise_diff(a: Any, b: Any, what: str, output: str = "") -> list[str]:
     """Where two results differ in their bits (not merely in value: -0.0 differs from 0.0, and
-    one NaN from another), as failure messages; [] when identical."""
+    one NaN from another), as failure messages about `output`; [] when identical."""
+    return problems.about(output, _bitwise_diff(a, b, what)) if output else _bitwise_diff(a, b, what)
+
+
+def _bitwise_diff(a: Any, b: Any, what: str) -> list[str]:
     if a is None and b is None:
         return []
     if isinstance(a, list) or isinstance(b, list):
         if not isinstance(a, list) or not isinstance(b, list) or len(a) != len(b):
             return [f"{what}: {_kind(a)} vs {_kind(b)}"]
-        return [p for i, (x, y) in enumerate(zip(a, b, strict=True)) for p in bitwise_diff(x, y, f"{what}[{i}]")]
+        return [p for i, (x, y) in enumerate(zip(a, b, strict=True)) for p in _bitwise_diff(x, y, f"{what}[{i}]")]
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return [f"{what}: {_kind(a)} vs {_kind(b)}"]
     if a.dtype != b.dtype or a.numel() != b.numel():

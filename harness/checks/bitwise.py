@@ -38,7 +38,7 @@ def _repeat(c: KernelCase | WrapperCase) -> Case | None:  # the levels of `deter
     return c.replace(repeat=c.repeat + 1) if c.T > 0 else None
 
 
-@check("determinism", family=BITWISE, twin=_repeat, twin_in_same_process=True)
+@check("determinism", evidence=("repeatable",), family=BITWISE, twin=_repeat, twin_in_same_process=True)
 def determinism(ev: Evidence) -> list[str]:
     """The same call on the same inputs, run again in the same process, returns the same bits:
     log-probs, entropy and gradient."""
@@ -57,14 +57,14 @@ def _last_row(c: KernelCase) -> KernelCase | None:
     return c.rows_of_batch(c.T - 1, 1) if c.T >= 2 else None
 
 
-@check("batch-invariance-chunk", levels=("kernel",), family=BITWISE, twin=_unchunked)
+@check("batch-invariance-chunk", evidence=("batch-rows",), family=BITWISE, twin=_unchunked)
 def batch_invariance_chunk(ev: Evidence) -> list[str]:
     """Every row's log-prob, entropy and gradient row are bitwise the same at this chunk size as
     unchunked."""
     return _compare(ev, ev.twins["batch-invariance-chunk"], "chunk_size=-1")
 
 
-@check("batch-invariance-rows", levels=("kernel",), family=BITWISE, twin=_prefix)
+@check("batch-invariance-rows", evidence=("batch-rows",), family=BITWISE, twin=_prefix)
 def batch_invariance_rows(ev: Evidence) -> list[str]:
     """The first half of the rows, run alone (fewer rows T, same chunk size), give bitwise the same
     log-probs, entropy and gradient rows as inside the whole batch."""
@@ -72,7 +72,7 @@ def batch_invariance_rows(ev: Evidence) -> list[str]:
     return _compare(ev, twin, f"the first {twin.case.T} of {ev.case.T} rows run alone", 0, twin.case.T)
 
 
-@check("batch-invariance-packing", levels=("kernel",), family=BITWISE, twin=_last_row)
+@check("batch-invariance-packing", evidence=("batch-rows",), family=BITWISE, twin=_last_row)
 def batch_invariance_packing(ev: Evidence) -> list[str]:
     """The last row, run alone, gives bitwise the same log-prob, entropy and gradient row as when
     packed with the other rows."""

@@ -3,10 +3,12 @@ rank issues the same collectives, and the caller's inputs survive."""
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import torch
 
-from harness.checks import CALL_LEVELS, Evidence, bitwise_diff, check
+from harness.checks import CALL, Evidence, Explain, bitwise_diff, check
+from harness.checks.problems import ENTROPY, LOG_PROB
 from harness.engine.observations import HANG_KINDS, HARNESS_STEP
 from harness.meters.trace import fmt_event
 
@@ -45,17 +47,22 @@ def cp_hint(ev: Evidence) -> str:
             "`HARNESS_CAPABILITIES = {\"context_parallel\": False}`, and is then checked at CP 1 only")
 
 
-def _only_at_cp(ev: Evidence, run) -> str:
+def _at_cp1(case: Any, target: Any) -> dict[str, Any]:
+    """At CP > 1 on a target that takes CP, the same case at CP 1 (what a crash's explanation runs)."""
+    if getattr(case, "cp", 1) == 1 or not target.supports("context_parallel"):
+        return {}
+    return {"cp1": case.replace(cp=1, cp_layout="zigzag")}
+
+
+def _only_at_cp(ev: Evidence, related: dict[str, Evidence]) -> str:
     """At CP > 1, whether the same case at CP 1 runs: then the routine fails only with context
     parallelism, and the finding says whether the wrapper shows CP of its own (`cp_hint`)."""
-    if getattr(ev.case, "cp", 1) == 1 or not ev.target.supports("context_parallel"):
-        return ""
-    if _crashed(run(ev.case.replace(cp=1, cp_layout="zigzag"))):
+    if "cp1" not in related or _crashed(related["cp1"]):
         return ""
     return f"it raised only at CP > 1 (the same case at CP 1 runs): {cp_hint(ev)}"
 
 
-@check("crash", levels=CALL_LEVELS, applies=lambda c, t: c.T > 0, needs=None, explain=_only_at_cp)
+@check("crash", evidence=CALL, applies=lambda c, t: c.T > 0, needs=None, explain=Explain(_at_cp1, _only_at_cp))
 def crash(ev: Evidence) -> list[str]:
     """Every rank returns without raising or dying (a rank that never returns is `hang`'s, unless a
     peer raised or died first: a rank left waiting for that peer is named here)."""
@@ -66,7 +73,7 @@ def crash(ev: Evidence) -> list[str]:
     return problems
 
 
-@check("hang", levels=CALL_LEVELS, needs=None)
+@check("hang", evidence=CALL, needs=None)
 def hang(ev: Evidence) -> list[str]:
     """Every rank returns: none is left blocked in a collective its peers never joined (found by
     evidence from the ranks' collective progress, long before the collective timeout), and none
@@ -77,7 +84,7 @@ def hang(ev: Evidence) -> list[str]:
     return [str(r.error) for r in ev.ranks if r.error_kind in HANG_KINDS]
 
 
-@check("empty-input", levels=("kernel", "linear", "distill"), applies=lambda c, t: c.T == 0, needs=None)
+@check("empty-input", evidence=("empty-call",), applies=lambda c, t: c.T == 0, needs=None)
 def empty_input(ev: Evidence) -> list[str]:
     """T == 0 returns empty outputs without error, at every TP size."""
     problems = _errors(ev)
@@ -88,7 +95,7 @@ def empty_input(ev: Evidence) -> list[str]:
     return problems
 
 
-@check("collectives", levels=CALL_LEVELS, needs=None, min_ranks=2)
+@check("collectives", evidence=CALL, needs=None, min_ranks=2)
 def collectives(ev: Evidence) -> list[str]:
     """Every rank issues the same sequence of collectives (op, group size, shape, dtype) as its TP
     peers; at CP > 1 also the same collectives over groups of the CP size as its CP peers (the TP
@@ -123,7 +130,7 @@ def _diverge(ranks: list, trace, over: str = "", stopped: bool = False) -> list[
     return [f"ranks diverge{over}: {counts}; first difference at collective #{first + 1}: {detail}"]
 
 
-@check("inference-path", levels=("kernel", "wrapper", "distill"), applies=lambda c, t: c.T > 0 and not c.autograd,
+@check("inference-path", evidence=("no-grad-call",), applies=lambda c, t: c.T > 0 and not c.autograd,
        terms=True)
 def inference_path(ev: Evidence) -> list[str]:
     """A call under torch.no_grad() or torch.inference_mode() (how trainers recompute old-policy
@@ -134,12 +141,12 @@ def inference_path(ev: Evidence) -> list[str]:
         if r.obs.training is None:
             continue
         lp, ent = r.obs.training
-        problems += bitwise_diff(r.obs.log_prob, lp, f"{r.name} log_prob ({ev.case.context} vs training path)")
-        problems += bitwise_diff(r.obs.entropy, ent, f"{r.name} entropy ({ev.case.context} vs training path)")
+        problems += bitwise_diff(r.obs.log_prob, lp, f"{r.name} log_prob ({ev.case.context} vs training path)", LOG_PROB)
+        problems += bitwise_diff(r.obs.entropy, ent, f"{r.name} entropy ({ev.case.context} vs training path)", ENTROPY)
     return problems
 
 
-@check("input-integrity", levels=CALL_LEVELS, needs="forward")
+@check("input-integrity", evidence=CALL, needs="forward")
 def input_integrity(ev: Evidence) -> list[str]:
     """Inputs keep their values and version counters through forward and backward."""
     return [f"{r.name}: {p}" for r in ev.ranks for p in r.obs.integrity]

@@ -1,28 +1,28 @@
-"""Checks of the distillation level (docs/distill.md). The level shares the kernel's check names
+"""How the distillation level (docs/distill.md) is judged. The level has the oracle checks
 (`values`, `gradients`, `grad-flags`, `shapes-dtypes`, `finite`, `chunk-invariance`, `tp-invariance`:
-`harness.checks.kernel` hands a distillation case to the functions here) and adds two of its own:
+`harness.checks.outputs` asks this level's `DISTILL_JUDGE`) and two of its own:
 `divergence-self-zero` (KL(p, p) = 0, no oracle needed) and `memory-no-vocab-gather`.
 
-Named for its level, as `reference/distill.py` is its oracle and `targets/mutants/distill.py` breaks
-it: a level keeps one module name across the layers."""
+Named for its level, as `reference/distill.py` is its oracle, `targets/mutants/distill.py` breaks
+it and `levels/distill.py` declares it: a level keeps one module name across the layers."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from harness.cases.case import DistillCase
 from harness.checks import Evidence, check
 from harness.checks.oracle import DistillExpected
+from harness.engine.calls import laid_out
 from harness.engine.observations import RankResult
 
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def _case(ev: Evidence) -> DistillCase:
-    assert isinstance(ev.case, DistillCase)
-    return ev.case
+    return cast(DistillCase, ev.case)  # the checks here apply to this level's cases only
 
 
 def _expected(ev: Evidence, r: RankResult) -> DistillExpected:
@@ -201,24 +201,43 @@ def _whole(ev: Evidence, group: list[RankResult]) -> Any:
 
 
 def outputs_match(ev: Evidence, other: Evidence, what: str) -> list[str]:
-    """The same case another way (unchunked, TP 1) within twice the bound: both carry their error."""
+    """The same case another way (unchunked, TP 1) within twice the bound: both carry their error; a
+    NaN both ways agrees here (whether it should be there is `finite`'s)."""
     exp = ev.expected
     assert isinstance(exp, DistillExpected) and isinstance(exp.log_prob_tol, torch.Tensor)
     problems = []
     a, b = _whole(ev, ev.groups()[0]), _whole(other, other.groups()[0])
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and b.numel() == exp.log_prob_tol.numel():
         problems += ev.compare(a, b.to(torch.float64).reshape(exp.log_prob_tol.shape), 2 * exp.log_prob_tol,
-                               f"output vs {what}")
+                               f"output vs {what}", equal_nan=True)
     for who, ga, gb, bound in (("student grad", ev.full_grad(), other.full_grad(), exp.grad_tol),
                                ("teacher grad", _teacher_grad(ev.groups()[0]), _teacher_grad(other.groups()[0]),
                                 exp.grad_teacher_tol)):
         if ga is not None and gb is not None and bound is not None and gb.numel() == bound.numel():
-            problems += ev.compare(ga, gb.to(torch.float64).reshape(bound.shape), 2 * bound, f"{who} vs {what}")
+            problems += ev.compare(ga, gb.to(torch.float64).reshape(bound.shape), 2 * bound, f"{who} vs {what}",
+                                   equal_nan=True)
     return problems
 
 
+class DistillJudge:
+    """The distillation level's judging of the oracle checks (`harness.checks.outputs`)."""
+    values = staticmethod(values)
+    gradients = staticmethod(gradients)
+    grad_flags = staticmethod(grad_flags)
+    shapes_dtypes = staticmethod(shapes_dtypes)
+    finite = staticmethod(finite)
+    outputs_match = staticmethod(outputs_match)
+
+    @staticmethod
+    def gradient_terms(ev: Evidence, related: dict[str, Evidence]) -> str:
+        return ""  # one output, no loss terms to tell apart
+
+
+DISTILL_JUDGE = DistillJudge()
+
+
 # ------------------------------------------------------------------ the level's own checks
-@check("divergence-self-zero", levels=("distill",), needs="forward",
+@check("divergence-self-zero", evidence=("divergence",), needs="forward",
        applies=lambda c, t: c.T > 0 and c.function == "divergence" and c.self_teacher)
 def self_zero(ev: Evidence) -> list[str]:
     """KL(p, p) = 0: with the teacher's logits equal to the student's, every divergence but the soft
@@ -246,20 +265,38 @@ def _chunk_rows(c: Any) -> int:
     return min(c.T, c.chunk_size) if c.chunk_size > 0 else c.T
 
 
-@check("memory-no-vocab-gather", levels=("distill",), min_ranks=2, reads=("memory",), needs="forward",
+def _caller_buffer(c: DistillCase) -> list[int] | None:
+    """The shape of the caller's buffer the student's logits are a view of (their gradient lands in
+    it, through the view's backward), or None for logits handed over as they are."""
+    if c.layout in ("contiguous", "nonleaf"):
+        return None
+    return list(laid_out(torch.empty(c.T, c.v_local, device="meta"), c.layout, False)[0].shape)
+
+
+def _gathered(c: DistillCase, t: dict) -> bool:
+    """A storage that only an all-gather of the shards makes: `>= V` columns in its last dimension
+    over `>=` a chunk's rows in the others. Not a vector over the rows, alone (`[T]`) or stacked
+    (`[2, T]`: its last dimension is the rows', whatever V is), and not the caller's own buffer."""
+    shape = t["shape"]
+    return (len(shape) >= 2 and shape[-1] >= c.vocab and math.prod(shape[:-1]) >= _chunk_rows(c)
+            and shape[-1] not in (c.T, _chunk_rows(c)) and shape != _caller_buffer(c))
+
+
+@check("memory-no-vocab-gather", evidence=("divergence", "memory"), min_ranks=2, reads=("memory",), needs="forward",
        applies=lambda c, t: c.T > 0 and c.width < c.v_local)
 def no_vocab_gather(ev: Evidence) -> list[str]:
     """No full-vocabulary gather: at TP > 1 no storage the call allocates or keeps, forward or
     backward, spans the whole vocabulary's width for a chunk's rows (`>= V` columns in its last
     dimension over `>=` a chunk's rows in the others, which only an all-gather of the shards makes;
-    every legitimate buffer is a shard's `V_local` columns, a top-k's `k`, or a vector over the rows)."""
+    every legitimate buffer is a shard's `V_local` columns, a top-k's `k`, or a vector over the rows).
+    A vector over the rows whose length reaches V (`[T]`, or stacked `[2, T]`), and the caller's own
+    buffer of a strided view of the logits (which the view's backward fills), are no gather."""
     c = _case(ev)
     problems = []
     for r in ev.ranks:
         mem = r.obs.memory
         for meter in ("retained", "peak_forward", "peak_backward"):
-            big = [t for t in mem.get(f"{meter}_tensors", [])
-                   if t["shape"] and t["shape"][-1] >= c.vocab and math.prod(t["shape"][:-1]) >= _chunk_rows(c)]
+            big = [t for t in mem.get(f"{meter}_tensors", []) if _gathered(c, t)]
             if big:
                 t = big[0]
                 problems.append(f"{r.name}: {meter} holds {t['dtype']}{t['shape']} ({t['how']}, from {t['op']}): "

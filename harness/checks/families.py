@@ -15,27 +15,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.cases.case import Case, KernelCase, LinearCase, WrapperCase
+from harness.cases.case import Case
 
 
 def context_of(case: Case) -> str:
     """The call context a family may be about: "" on the plain training path, else the case's
-    context, frozen input and CP layout ("two_calls", "frozen=weight", "cp=allgather")."""
+    context, frozen input and CP layout ("two_calls", "frozen=weight", "cp=allgather"), read off the
+    fields a case has (a level without a frozen input or CP has no such context)."""
     parts = [case.context] if case.context != "train" else []
-    if isinstance(case, LinearCase) and case.frozen != "none":
-        parts.append(f"frozen={case.frozen}")
-    if isinstance(case, WrapperCase) and case.cp > 1:
-        parts.append(f"cp={case.cp_layout}")
+    if getattr(case, "frozen", "none") != "none":
+        parts.append(f"frozen={case.frozen}")  # pyright: ignore[reportAttributeAccessIssue]
+    if getattr(case, "cp", 1) > 1:
+        parts.append(f"cp={case.cp_layout}")  # pyright: ignore[reportAttributeAccessIssue]
     return ",".join(parts)
 
 
+_PLAIN_PATH = {"context": "train", "frozen": "none", "cp": 1, "cp_layout": "zigzag"}
+
+
 def plain(case: Case) -> Case:
-    """The same case on the plain training path: one call, every input trainable, no CP."""
-    if isinstance(case, LinearCase):
-        return case.replace(context="train", frozen="none")
-    if isinstance(case, WrapperCase):
-        return case.replace(context="train", cp=1, cp_layout="zigzag")
-    return case.replace(context="train")
+    """The same case on the plain training path: one call, every input trainable, no CP (of the
+    fields its level has)."""
+    return case.replace(**{k: v for k, v in _PLAIN_PATH.items() if k in case.__dataclass_fields__})
 
 
 def family_key(check: str, term: str = "", context: str = "") -> str:
@@ -71,12 +72,11 @@ def config_of(case: Case) -> dict[str, str]:
         "regime": getattr(case, "regime", "normal"),
         "chunks": _chunks(case),
         "mask": "masked" if masked else "unmasked",
-        "layout": getattr(case, "layout", "contiguous") if isinstance(case, (KernelCase, WrapperCase)) else
-        getattr(case, "hidden_view", "contiguous"),
+        "layout": getattr(case, "hidden_view", getattr(case, "layout", "contiguous")),
         "context": case.context,
         "entropy": "empty" if case.T == 0 else case.entropy_mode,
         "frozen": getattr(case, "frozen", "none"),
-        "cp": f"{case.cp_layout}" if isinstance(case, WrapperCase) and case.cp > 1 else "none",
+        "cp": getattr(case, "cp_layout", "none") if getattr(case, "cp", 1) > 1 else "none",
     }
 
 

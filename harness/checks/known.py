@@ -24,8 +24,9 @@ if sys.version_info >= (3, 11):
 else:  # the same parser, before it joined the standard library (installed on 3.10 only: pyproject)
     import tomli as tomllib  # pyright: ignore[reportMissingImports]
 
+from harness.base import levels
 from harness.base.errors import UsageError
-from harness.cases.case import CASE_TYPES, fmt_field, parse_case, valid_values
+from harness.cases.case import fmt_field, valid_values
 from harness.checks import BASELINE_CHECKS, all_checks
 from harness.checks.findings import Finding
 from harness.checks.terms import TERMS
@@ -49,7 +50,7 @@ class Entry:
             return False
         if not self.where:
             return True
-        case = parse_case(finding.case)
+        case = levels.parse(finding.case)
         # A field the finding's level does not have (a wrapper case's dtype) is not matched.
         return all(hasattr(case, key) and _field(case, key) in allowed for key, allowed in self.where.items())
 
@@ -75,8 +76,8 @@ def _field(case: Any, key: str) -> str:
 
 def _choices() -> dict[str, tuple[str, ...]]:
     """The values a `where` condition may name, per field with a fixed set (any level's)."""
-    out: dict[str, tuple[str, ...]] = {"level": tuple(CASE_TYPES)}
-    for cls in CASE_TYPES.values():
+    out: dict[str, tuple[str, ...]] = {"level": tuple(levels.case_types())}
+    for cls in levels.case_types().values():
         for name, values in valid_values(cls).items():
             out[name] = out.get(name, ()) + tuple(v for v in values if v not in out.get(name, ()))
     return out
@@ -121,7 +122,7 @@ def parse_where(conditions: Any, where: str) -> dict[str, tuple[Any, ...]]:
     field or value is a usage error, not silence."""
     if not isinstance(conditions, dict):
         raise UsageError(f"{where}: `where` is a table of case fields, got {conditions!r}")
-    fields = {f for cls in CASE_TYPES.values() for f in cls.__dataclass_fields__} | {"T", "level", "vocab"}
+    fields = {f for cls in levels.case_types().values() for f in cls.__dataclass_fields__} | {"T", "level", "vocab"}
     bad = sorted(set(conditions) - fields)
     if bad:
         raise UsageError(f"{where}: unknown case field(s) {bad}; known: {sorted(fields)} "

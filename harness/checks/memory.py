@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from typing import Any
+from typing import Any, cast
 
+from harness.base import levels as level_registry
 from harness.cases.case import DTYPES, NONCONTIGUOUS, LinearCase, WrapperCase
 from harness.checks import Evidence, check
 from harness.meters import memory_meter
 from harness.reference.cp import local_rows
+
+MATRIX_COLUMN = "memory"  # the peers' matrix shows this module's checks as one column
 
 
 @functools.lru_cache(maxsize=1024)
@@ -100,7 +103,7 @@ def _compare_retained(ev: Evidence, twin: Evidence, what: str) -> list[str]:
     return problems
 
 
-@check("memory-metric-only", levels=("kernel", "linear"),
+@check("memory-metric-only", evidence=("memory", "metric-only-entropy"),
        applies=lambda c, t: c.T > 0 and c.requires_grad and c.with_entropy and not c.with_entropy_grad,
        twin=lambda c: c.replace(with_entropy=False, with_entropy_grad=True, loss_terms="both"),
        reads=("autograd", "memory"), twin_in_same_process=True)
@@ -110,7 +113,7 @@ def metric_only(ev: Evidence) -> list[str]:
     return _compare_retained(ev, ev.twins["memory-metric-only"], "the log-prob-only call")
 
 
-@check("memory-coef-zero", levels=("wrapper",),
+@check("memory-coef-zero", evidence=("samples", "memory"),
        applies=lambda c, t: c.T > 0 and c.with_entropy and not c.expects_entropy_grad,
        twin=lambda c: c.replace(with_entropy=False), reads=("autograd", "memory"),
        twin_in_same_process=True)
@@ -120,7 +123,7 @@ def coef_zero(ev: Evidence) -> list[str]:
     return _compare_retained(ev, ev.twins["memory-coef-zero"], "with_entropy=False")
 
 
-@check("memory-chunk-passthrough", levels=("wrapper",),
+@check("memory-chunk-passthrough", evidence=("samples", "memory"),
        applies=lambda c, t: c.kernel_comparable and c.temperature in (None, 1.0) and t.kernel is not None,
        reads=("autograd", "call-memory", "memory", "kernel-pass-memory"))
 def chunk_passthrough(ev: Evidence) -> list[str]:
@@ -131,8 +134,7 @@ def chunk_passthrough(ev: Evidence) -> list[str]:
     is a budget's (`budget_slack`): a wrapper builds per-token bookkeeping a bare kernel call does
     not (shifted, padded and rolled int64 targets, per-sample outputs padded to the longest), which
     at a small V_local is as large as the chunking's own saving (NeMo-RL's, 32 bytes a row)."""
-    c = ev.case
-    assert isinstance(c, WrapperCase)
+    c = cast(WrapperCase, ev.case)  # evidence "samples": this level's cases
     problems = []
     for r in range(len(ev.ranks)):
         got, kernel = _mem(ev, r), ev.ranks[r].obs.kernel_pass
@@ -159,12 +161,10 @@ def chunk_passthrough(ev: Evidence) -> list[str]:
 def _backward_reaches_all(c: Any, t: Any) -> bool:
     """Every differentiable output is in the loss, so the backward must free the whole graph (an
     output left out keeps its own graph alive, legitimately, as long as it lives)."""
-    if not isinstance(c, WrapperCase):
-        return c.T > 0 and c.has_backward and (c.loss_terms == "both" or not c.expects_entropy_grad)
-    return c.T > 0 and sum(c.response_lengths) > 0 and c.grad_on
+    return c.T > 0 and c.loss_takes_every_output
 
 
-@check("memory-backward-frees", levels=("kernel", "wrapper", "linear"), applies=_backward_reaches_all,
+@check("memory-backward-frees", evidence=("memory", "memory-allowance"), applies=_backward_reaches_all,
        reads=("autograd", "memory"))
 def backward_frees(ev: Evidence) -> list[str]:
     """What the forward retained is freed by the backward (its outputs, which the caller holds,
@@ -210,7 +210,55 @@ def allowance(c: Any, meter: str) -> int:
     computes it anyway spends memory nobody asked for. Hidden states handed over as a strided view
     (`hidden_view`) may be copied contiguous (in their dtype and in float32), and their gradient
     lands in the caller's larger buffer (its spare rows included)."""
-    if isinstance(c, LinearCase):
+    return level_registry.of(c).memory.allowance(c, meter)
+
+
+class LogitsMemory:
+    """The memory rules of a level whose routine takes vocab-sharded logits (the kernel's, the
+    distillation level's): a non-contiguous view of them may be copied to a contiguous float32
+    buffer, which the routine may save. `on_logits_scale`: its memory is weighed in multiples of the
+    logits' T*V_local*4 (`HARNESS_MEMORY_BUDGET`, the report's memory table)."""
+
+    def __init__(self, on_logits_scale: bool = True):
+        self.on_logits_scale = on_logits_scale
+
+    def allowance(self, c: Any, meter: str) -> int:
+        units = 1.0 if getattr(c, "layout", "contiguous") in NONCONTIGUOUS else 0.0
+        return int(units * memory_meter.unit(rows(c), c.v_local)) + self.extra(c)
+
+    def extra(self, c: Any) -> int:
+        return 0
+
+    def input_shaped(self, c: Any, t: dict) -> bool:
+        """A float32 buffer shaped like an input other than the logits (whose copies the allowance grants)."""
+        return False
+
+    def logits_inputs(self, c: Any) -> int:
+        """How many [T, V_local] logits the call takes: the student's, and a distillation teacher's
+        handed over whole (full and top-k teachers; a teacher pass's [T, K] top-k is not logits)."""
+        return 2 if getattr(c, "function", None) == "divergence" and getattr(c, "teacher", "given") != "given" else 1
+
+
+class WrapperMemory(LogitsMemory):
+    """The wrapper's: a temperature divides out of place (a float32 copy, which the kernel may save: one
+    unit); top-p replay builds a bool keep mask (a quarter) and holds int64 copies of the nucleus."""
+
+    def allowance(self, c: Any, meter: str) -> int:
+        units = (1.0 if c.temperature not in (None, 1.0) else 0.0) + (0.25 if c.top_p != "none" else 0.0)
+        return super().allowance(c, meter) + int(units * memory_meter.unit(rows(c), c.v_local))
+
+    def extra(self, c: Any) -> int:
+        return NUCLEUS_ENTRY_BYTES * nucleus_entries(c)
+
+
+class LinearMemory(LogitsMemory):
+    """The fused-linear level's: float32 copies of the half-precision inputs, and each gradient asked for;
+    held to O(T*H) (memory-linear-retained), not to the logits' scale."""
+
+    def __init__(self) -> None:
+        super().__init__(on_logits_scale=False)
+
+    def allowance(self, c: Any, meter: str) -> int:
         upcast = 0 if DTYPES[c.dtype] == DTYPES["fp32"] else 4 * c.H * (c.T + c.v_local)
         if getattr(c, "hidden_view", "contiguous") != "contiguous":
             upcast += (8 + DTYPES[c.dtype].itemsize) * (c.T + 1) * c.H
@@ -219,13 +267,9 @@ def allowance(c: Any, meter: str) -> int:
         per_entry = 8 + DTYPES[c.dtype].itemsize
         asked = (c.T * c.H if c.hidden_grad else 0) + (c.v_local * c.H if c.weight_grad else 0)
         return upcast + per_entry * asked
-    unit = memory_meter.unit(rows(c), c.v_local)
-    units = 1.0 if getattr(c, "layout", "contiguous") in NONCONTIGUOUS else 0.0
-    nucleus = 0
-    if isinstance(c, WrapperCase):
-        units += (1.0 if c.temperature not in (None, 1.0) else 0.0) + (0.25 if c.top_p != "none" else 0.0)
-        nucleus = NUCLEUS_ENTRY_BYTES * nucleus_entries(c)
-    return int(units * unit) + nucleus
+
+    def input_shaped(self, c: Any, t: dict) -> bool:
+        return c.H in t["shape"]
 
 
 def budget_use(c: Any, nbytes: int, meter: str = "peak_backward") -> float:
@@ -235,7 +279,7 @@ def budget_use(c: Any, nbytes: int, meter: str = "peak_backward") -> float:
     return (nbytes - memory_meter.budget_slack(c.T) - allowance(c, meter)) / memory_meter.unit(rows(c), c.v_local)
 
 
-@check("memory-budget", levels=("kernel", "wrapper", "linear"), applies=lambda c, t: c.T > 0 and bool(t.memory_budget),
+@check("memory-budget", evidence=("memory", "memory-allowance"), applies=lambda c, t: c.T > 0 and bool(t.memory_budget),
        reads=("call-memory", "memory"),
        requires=lambda t, cp: None if t.memory_budget else "the target declares no `HARNESS_MEMORY_BUDGET` "
                                                            "(docs/check-your-routine.md, memory budget)")
@@ -276,13 +320,12 @@ def linear_retained_allowance(c: LinearCase) -> int:
     return allowance(c, "retained") + memory_meter.budget_slack(c.T)
 
 
-@check("memory-linear-retained", levels=("linear",), applies=lambda c, t: c.T > 0 and c.grad_on, reads=("memory",))
+@check("memory-linear-retained", evidence=("linear-memory",), applies=lambda c, t: c.T > 0 and c.grad_on, reads=("memory",))
 def linear_retained(ev: Evidence) -> list[str]:
     """The fused-linear forward retains O(T*H), not O(T*V_local): at most a float32 copy of the
     hidden states and of the weight shard when they are not float32, plus O(T) row statistics and
     the outputs. A routine that saves its [T, V_local] logits or softmax for backward fails."""
-    c = ev.case
-    assert isinstance(c, LinearCase)
+    c = cast(LinearCase, ev.case)  # evidence "linear-memory": this level's cases
     allowed = linear_retained_allowance(c)
     problems = []
     for r in range(len(ev.ranks)):
@@ -300,10 +343,17 @@ def linear_retained(ev: Evidence) -> list[str]:
 _WIDE = ("float32", "float64")  # the dtypes of float32 work (float64 too), as the meter names them
 _ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}  # the float dtypes, by the meter's names
 # The float32 work a chunked backward may hold at once beyond what its forward retained, in chunks of
-# [chunk_size, V] float32 (the full vocab: a gathering design's chunk). The designs measured hold at
-# most 8.3, two calls' backward at once (docs/memory.md, "In the logits' own dtype"); a [T, V_local]
-# float32 buffer in pieces stands out of it once T / chunk_size passes 16 * TP.
+# [chunk_size, V] float32 (the full vocab: a gathering design's chunk), for each logits input it takes
+# (`LogitsMemory.logits_inputs`: a distillation teacher's too). The designs measured hold at most 8.3
+# of one input's, two calls' backward at once, and 10.7 of a student's and a teacher's (docs/memory.md,
+# "In the logits' own dtype"); a [T, V_local] float32 buffer in pieces stands out of it once
+# T / chunk_size passes 16 * TP (32 * TP with a teacher's logits).
 WORK_CHUNKS = 16
+# The gradient of a float32 output of the logits' own shape (the sharded log-softmax's) is the
+# caller's, and float32 by the contract: a loss of elementwise steps holds two at once in its backward,
+# one step's incoming gradient and its outgoing one (the harness's weighs the output and zeroes its
+# non-finite entries). Measured: two, on the built-in routine and the distillation control.
+OUTPUT_GRADIENTS = 2
 
 
 def _chunked_half_precision(c: Any, t: Any) -> bool:
@@ -336,16 +386,27 @@ def _not_retained(peak: list[dict], retained: list[dict], with_how: bool) -> lis
 def _wide(c: Any, t: dict) -> bool:
     """float32 (or float64) work on the logits: at the linear level not shaped like an input or
     its gradient (a dimension of H: the float32 copies and accumulators its allowance grants)."""
-    if t["dtype"] not in _WIDE:
-        return False
-    return not isinstance(c, LinearCase) or c.H not in t["shape"]
+    return t["dtype"] in _WIDE and not level_registry.of(c).memory.input_shaped(c, t)
 
 
 def _whole(c: Any, t: dict) -> bool:
-    """A float32 tensor of all the rank's logits in one piece: its rows and its V_local columns (a
-    chunk's rows gathered to the full vocab, as a gathering design makes them, are not)."""
-    return _wide(c, t) and rows(c) in t["shape"] and c.v_local in t["shape"] and \
-        t["bytes"] // _ITEMSIZE[t["dtype"]] >= rows(c) * c.v_local
+    """A float32 tensor of all the rank's logits in one piece, laid out as logits are: the rank's rows
+    and its V_local columns as its last two dimensions (either way round), any before them 1. A
+    chunk's rows gathered to the full vocab, as a gathering design makes them, are not; nor are
+    top-k log-probs stacked for student and teacher, [2, chunk_size, K] or [2, T, K], whose sizes
+    may equal T or V_local."""
+    shape = list(t["shape"])
+    while len(shape) > 2 and shape[0] == 1:
+        shape.pop(0)
+    return _wide(c, t) and tuple(shape) in ((rows(c), c.v_local), (c.v_local, rows(c)))
+
+
+def _whole_outputs(c: Any, obs: Any) -> int:
+    """How many of the call's differentiable outputs are float32 tensors of the logits' whole shape
+    (the sharded log-softmax's [T, V_local]): each one's gradient reaches the backward from the caller."""
+    metas = [m for meta in (obs.log_prob_meta, obs.entropy_meta) for m in (meta if isinstance(meta, list) else [meta])]
+    return sum(1 for m in metas if m is not None and m.requires_grad and
+               _whole(c, {"shape": m.shape, "dtype": m.dtype}))
 
 
 def _works_in_chunks(c: Any, peak: list[dict]) -> bool:
@@ -360,7 +421,7 @@ def _works_in_chunks(c: Any, peak: list[dict]) -> bool:
                for t in peak)
 
 
-@check("memory-logits-dtype", levels=("kernel", "wrapper", "linear"), applies=_chunked_half_precision,
+@check("memory-logits-dtype", evidence=("memory-logits",), applies=_chunked_half_precision,
        reads=("memory",))
 def logits_dtype(ev: Evidence) -> list[str]:
     """NeMo-RL #2872: with bf16 or fp16 logits and a chunk size that splits the rows, a routine that
@@ -368,13 +429,17 @@ def logits_dtype(ev: Evidence) -> list[str]:
     of all the logits that the forward then frees (a whole-tensor `.float()` in front of the chunks);
     the backward's peak holds no float32 (or float64) buffer of all the logits that the backward
     allocated (the gradient is built and returned in the logits' dtype), and the float32 work it
-    allocated is at most 16 chunks of [chunk_size, V] plus O(T). What the forward retained, saved
-    for backward or kept on ctx (a saved float32 softmax), is `memory-budget`'s to weigh, not this
-    check's; so is a routine whose forward's peak holds no chunk of rows (every row at once, by design)."""
+    allocated is at most 16 chunks of [chunk_size, V] per logits input (a teacher's too) plus O(T).
+    What the forward retained, saved for backward or kept on ctx (a saved float32 softmax), is
+    `memory-budget`'s to weigh, not this check's; so is a routine whose forward's peak holds no chunk
+    of rows (every row at once, by design). An output of the logits' own shape in float32 (the
+    sharded log-softmax) has a whole float32 gradient from the caller's loss: OUTPUT_GRADIENTS such
+    buffers each are the caller's."""
     c = ev.case
     n = rows(c)
     chunk = c.chunk_size * c.vocab * 4
-    work = WORK_CHUNKS * chunk + memory_meter.slack(c.T)
+    chunks = WORK_CHUNKS * level_registry.of(c).memory.logits_inputs(c)
+    work = chunks * chunk + memory_meter.slack(c.T)
     whole_name = f"all {n}x{c.v_local} = {n * c.v_local:,} logits entries of the rank ({c.dtype})"
     problems = []
     for r in range(len(ev.ranks)):
@@ -393,6 +458,10 @@ def logits_dtype(ev: Evidence) -> list[str]:
         allocated = [t for t in _not_retained(m.get("peak_backward_tensors", []), retained, with_how=True)
                      if _wide(c, t)]
         whole = [t for t in allocated if _whole(c, t)]
+        # The caller's are listed like the routine's (same shape, dtype and role): granted by number.
+        callers = whole[:OUTPUT_GRADIENTS * _whole_outputs(c, ev.ranks[r].obs)]
+        whole = whole[len(callers):]
+        allocated = [t for t in allocated if not any(t is g for g in callers)]
         if whole:
             problems.append(f"{name}: the backward's peak ({_fmt(m['peak_backward'])}) holds a float32 buffer of "
                             f"{whole_name} that the backward allocated, with chunk_size={c.chunk_size}: "
@@ -401,6 +470,6 @@ def logits_dtype(ev: Evidence) -> list[str]:
         elif (held := sum(t["bytes"] for t in allocated)) > work:
             problems.append(f"{name}: the backward's peak holds {_fmt(held)} of float32 work it allocated, "
                             f"{held / chunk:.1f} chunks of [{c.chunk_size}, {c.vocab}] float32"
-                            f"{_in_logits_unit(c, held)}; allowed {WORK_CHUNKS} chunks + O(T) = {_fmt(work)}: "
+                            f"{_in_logits_unit(c, held)}; allowed {chunks} chunks + O(T) = {_fmt(work)}: "
                             f"{_list(allocated)}")
     return problems

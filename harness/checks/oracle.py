@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from harness import reference
+from harness.base import levels
 from harness.cases.case import Case, DistillCase, KernelCase, LinearCase, WrapperCase
 from harness.checks.distill_tolerance import (
     derivative_error,
@@ -46,22 +47,22 @@ class Expected:
 
 @functools.lru_cache(maxsize=256)
 def expected(case: Case) -> Expected:
-    if isinstance(case, DistillCase):
-        return distill_expected(case)
-    if isinstance(case, KernelCase):
-        return _kernel(case)
-    if isinstance(case, LinearCase):
-        return _linear(case)
-    return _wrapper(case)
+    """The case's level's oracle (`Level.expected`), once per case."""
+    return levels.of(case).expected(case)
 
 
 @functools.lru_cache(maxsize=512)
 def expected_on(case: Case, cp_rank: int = 0) -> Expected:
-    """What CP rank `cp_rank` of a case must hold, derived from the whole sequence's oracle: per
-    sample, the values at its response positions (reference.cp), and the gradient on its own local
-    rows (0 on padding rows). At CP 1, and for the kernel and linear levels, the oracle itself."""
+    """What CP rank `cp_rank` of a case must hold (`Level.oracle_on`): at CP 1, the oracle itself."""
+    return levels.of(case).oracle_on(case, cp_rank)
+
+
+def wrapper_on(case: WrapperCase, cp_rank: int = 0) -> Expected:
+    """What CP rank `cp_rank` of a wrapper case must hold, derived from the whole sequence's oracle:
+    per sample, the values at its response positions (reference.cp), and the gradient on its own
+    local rows (0 on padding rows)."""
     full = expected(case)
-    if not isinstance(case, WrapperCase) or case.cp == 1:
+    if case.cp == 1:
         return full
     positions = [torch.tensor(response_positions(L, R, case.cp, cp_rank), dtype=torch.int64)
                  for L, R in zip(case.total_lengths, case.response_lengths, strict=True)]
@@ -86,7 +87,7 @@ def _abs_sum(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | N
     return a if a is None or b is None else a.abs() + b.abs()
 
 
-def _kernel(case: KernelCase) -> Expected:
+def kernel_expected(case: KernelCase) -> Expected:
     inp = case.inputs()
     x = inp.logits.to(torch.float64)
     stats = Rows(x, inp.tokens, inp.keep_mask)  # shared by the values' and the gradient's bounds
@@ -116,7 +117,7 @@ def _kernel(case: KernelCase) -> Expected:
     )
 
 
-def _linear(case: LinearCase) -> Expected:
+def linear_expected(case: LinearCase) -> Expected:
     inp = case.inputs()
     w1 = inp.w_log_prob
     w2 = inp.w_entropy if case.expects_entropy_grad else None
@@ -140,7 +141,7 @@ def _per_sample(values: torch.Tensor, rows: list[torch.Tensor]) -> PerSample:
     return [values[r] for r in rows]
 
 
-def _wrapper(case: WrapperCase) -> Expected:
+def wrapper_expected(case: WrapperCase) -> Expected:
     inp = case.inputs()
     args = case.args()
     lengths, responses = list(case.total_lengths), list(case.response_lengths)

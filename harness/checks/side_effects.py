@@ -2,10 +2,10 @@
 dtype or grad mode is no arithmetic defect, however many arithmetic checks its consequences fail."""
 from __future__ import annotations
 
-from harness.checks import CALL_LEVELS, Evidence, check
+from harness.checks import CALL, Evidence, check
 
 
-@check("side-effects", levels=CALL_LEVELS, needs=None)
+@check("side-effects", evidence=CALL, needs=None)
 def side_effects(ev: Evidence) -> list[str]:
     """Every call and backward leaves the process-global state a trainer relies on as it found it:
     default dtype and device, grad, inference and anomaly mode, thread counts, deterministic

@@ -1,7 +1,7 @@
-"""Which output a problem is about, and which term of the loss a wrong gradient comes from.
+"""Which term of the loss a problem is about, and which term a wrong gradient comes from.
 
-A check declared with `terms=True` names, in each problem, the output it is about: the log-prob,
-the entropy, or a gradient (`named_output`). A finding is about one term (`TERMS`), so a case whose
+A check declared with `terms=True` says, of each problem, the output it is about: the log-prob,
+the entropy, or a gradient (`Problem.output`, `checks.problems`). A finding is about one term (`TERMS`), so a case whose
 log-probs and entropy are both wrong gives two findings, one per family. A gradient is the sum of
 the terms in the loss; with both in it, the same case with one term alone is a case the harness can
 run (`alone`): at the kernel and fused-linear levels `loss_terms=log_prob` and `loss_terms=entropy`;
@@ -10,45 +10,61 @@ verdict is inferred from it (`gradient_terms`).
 """
 from __future__ import annotations
 
-import re
-from typing import Callable
+from typing import Any, Callable
 
-from harness.cases.case import Case, KernelCase, LinearCase, WrapperCase
+from harness.base import levels
+from harness.cases.case import Case
 from harness.checks import CheckFn, Evidence
+from harness.checks.problems import ENTROPY, LOG_PROB
 
 _NAMES = {"log_prob": "log-prob", "entropy": "entropy"}
-TERMS = ("log-prob", "entropy")
-TERM_LEVELS = ("kernel", "wrapper", "linear")  # the levels whose outputs are a log-prob and an entropy
-GRADIENT = "gradient"  # a problem about a gradient: its term is the loss's (`gradient_terms`)
-# The first output a problem names is its subject ("rank 0 log_prob: worst at ...", "grad (all
-# shards): ...", "entropy vs TP 1"); `with_entropy`, `requires_grad`, `entropy_coef` name no output.
-_OUTPUT = re.compile(r"\b(entropy|log[_-]probs?|grad\w*|gradients?)\b")
+TERMS = (LOG_PROB, ENTROPY)
+
+
+class TokenTerms:
+    """The loss terms of a level whose outputs are a log-prob and an entropy per token, each of
+    which can be left out of the loss (`loss_terms`): the kernel's and the fused-linear level's."""
+
+    def in_loss(self, case: Any) -> tuple[str, ...]:
+        lp = case.loss_terms != "entropy"
+        ent = case.loss_terms != "log_prob" and case.expects_entropy_grad
+        return tuple(t for t, on in (("log-prob", lp), ("entropy", ent)) if on)
+
+    def alone(self, case: Any) -> dict[str, Case]:
+        return {"log-prob": case.replace(loss_terms="log_prob"), "entropy": case.replace(loss_terms="entropy")}
+
+    def wrong(self, verdicts: dict[str, bool]) -> tuple[str, ...]:
+        """The terms whose case alone is wrong."""
+        return tuple(t for t in TERMS if verdicts[t])
+
+
+class WrapperTerms(TokenTerms):
+    """The wrapper's: the entropy term is in the loss exactly when entropy_coef != 0, and only the
+    log-prob term can run alone (`with_entropy=0`), so the entropy term's verdict is inferred from it."""
+
+    def in_loss(self, case: Any) -> tuple[str, ...]:
+        return ("log-prob", "entropy") if case.expects_entropy_grad else ("log-prob",)
+
+    def alone(self, case: Any) -> dict[str, Case]:
+        return {"log-prob": case.replace(with_entropy=False)}
+
+    def wrong(self, verdicts: dict[str, bool]) -> tuple[str, ...]:
+        return ("log-prob",) if verdicts["log-prob"] else ("entropy",)
+
+
+TOKEN_TERMS = TokenTerms()
+WRAPPER_TERMS = WrapperTerms()
 
 
 def split_by_term(chk_terms: bool, case: Case) -> bool:
-    """Whether a check's problems on `case` are split by term: a `terms` check at a level of `TERM_LEVELS`."""
-    return chk_terms and case.level in TERM_LEVELS
-
-
-def named_output(problem: str) -> str:
-    """The output a problem of a `terms` check is about: a term of `TERMS`, `GRADIENT`, or "" (none named)."""
-    m = _OUTPUT.search(problem)
-    if m is None:
-        return ""
-    word = m.group(1)
-    return "entropy" if word == "entropy" else "log-prob" if word.startswith("log") else GRADIENT
+    """Whether a check's problems on `case` are split by term: a `terms` check at a level with terms."""
+    return chk_terms and levels.of(case).terms is not None
 
 
 def loss_terms(case: Case) -> tuple[str, ...]:
-    """The terms whose gradient the case's loss carries (none without a backward)."""
-    if not case.grad_on:
-        return ()
-    if isinstance(case, WrapperCase):
-        return ("log-prob", "entropy") if case.expects_entropy_grad else ("log-prob",)
-    assert isinstance(case, (KernelCase, LinearCase))
-    lp = case.loss_terms != "entropy"
-    ent = case.loss_terms != "log_prob" and case.expects_entropy_grad
-    return tuple(t for t, on in (("log-prob", lp), ("entropy", ent)) if on)
+    """The terms whose gradient the case's loss carries (none without a backward, or at a level without terms)."""
+    terms = levels.of(case).terms
+    return terms.in_loss(case) if terms is not None and case.grad_on else ()
 
 
 def exercised(case: Case) -> tuple[str, ...]:
@@ -58,9 +74,8 @@ def exercised(case: Case) -> tuple[str, ...]:
 
 def alone(case: Case) -> dict[str, Case]:
     """The same case with one term alone in the loss, per term that can run alone."""
-    if isinstance(case, WrapperCase):
-        return {"log-prob": case.replace(with_entropy=False)}
-    return {"log-prob": case.replace(loss_terms="log_prob"), "entropy": case.replace(loss_terms="entropy")}
+    terms = levels.of(case).terms
+    return terms.alone(case) if terms is not None else {}
 
 
 def gradient_terms(case: Case, wrong_alone: Callable[[Case], bool | None]) -> tuple[str, ...]:
@@ -74,26 +89,29 @@ def gradient_terms(case: Case, wrong_alone: Callable[[Case], bool | None]) -> tu
     verdicts = {term: wrong_alone(c) for term, c in alone(case).items()}
     if None in verdicts.values():
         return ()
-    if isinstance(case, WrapperCase):  # the entropy term cannot run alone: inferred from the log-prob's
-        return ("log-prob",) if verdicts["log-prob"] else ("entropy",)
-    return tuple(t for t in TERMS if verdicts[t])
+    return levels.of(case).terms.wrong(verdicts)
 
 
-def _alone(run: Callable[[Case], Evidence], case: Case, check: CheckFn) -> bool | None:
-    """Whether `check` passes on `case` (None: the case did not get through its backward)."""
-    ev = run(case)
-    return not check(ev) if ev.completed("backward") else None
+def each_term_alone(case: Case, target: Any) -> dict[str, Case]:
+    """What a gradient finding's explanation runs (`Explain.related`): the case with each term alone
+    in the loss, by term, where both are in it."""
+    return alone(case) if len(loss_terms(case)) > 1 else {}
 
 
-def kernel_terms(ev: Evidence, run: Callable[[Case], Evidence], check: CheckFn) -> str:
-    """The verdict on each loss term of a failing kernel or fused-linear gradient."""
-    c = ev.case
-    assert isinstance(c, (KernelCase, LinearCase))
+def _passes(ev: Evidence | None, check: CheckFn) -> bool | None:
+    """Whether `check` passes on a related case's evidence (None: not run, or not through its backward)."""
+    return not check(ev) if ev is not None and ev.completed("backward") else None
+
+
+def kernel_terms(ev: Evidence, related: dict[str, Evidence], check: CheckFn) -> str:
+    """The verdict on each loss term of a failing kernel or fused-linear gradient, from the evidence
+    of the case with each term alone (`each_term_alone`)."""
+    c: Any = ev.case
     if c.loss_terms != "both" or not c.expects_entropy_grad:
         term = "entropy" if c.loss_terms == "entropy" else "log_prob"
         why = f"loss_terms={c.loss_terms}" if c.loss_terms != "both" else "the entropy carries no gradient here"
         return f"the {_NAMES[term]} term's gradient is wrong (the only term in this loss: {why})"
-    ok = {term: _alone(run, c.replace(loss_terms=term), check) for term in _NAMES}
+    ok = {term: _passes(related.get(name), check) for term, name in _NAMES.items()}
     specs = {term: f"loss_terms={term}" for term in _NAMES}
     if None in ok.values():
         return ""
@@ -107,13 +125,13 @@ def kernel_terms(ev: Evidence, run: Callable[[Case], Evidence], check: CheckFn) 
             f"and passes with {specs[good]}")
 
 
-def wrapper_terms(ev: Evidence, run: Callable[[Case], Evidence], check: CheckFn) -> str:
+def wrapper_terms(ev: Evidence, related: dict[str, Evidence], check: CheckFn) -> str:
     """The verdict on each loss term of a failing wrapper gradient (the entropy term is in the loss
-    exactly when entropy_coef != 0)."""
+    exactly when entropy_coef != 0), from the evidence of the log-prob term alone (`each_term_alone`)."""
     c = ev.case
     if not c.expects_entropy_grad:
         return "the log-prob term's gradient is wrong (the only term in this loss: entropy_coef is 0 or absent)"
-    ok = _alone(run, c.replace(with_entropy=False), check)
+    ok = _passes(related.get(LOG_PROB), check)
     if ok is None:
         return ""
     if ok:

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from harness.checks.problems import Problem
+
 U32 = 2.0 ** -24
 C_FN = 4.0  # exp / log within 2 ulp: 4 u relative (glibc, Sleef u10, CUDA expf/logf, Triton tl.exp)
 CHAIN = 1024  # the longest sequential accumulation chain assumed, in roundings (docs/tolerances.md, A2)
@@ -185,17 +187,20 @@ def grad_bound(x, tokens, keep_mask, w1, w2, tp: int = 1, dtype: str = "fp32", c
     return bound + (U32 + OUT_U[dtype]) * grad.abs() + floor + OUT_FLOOR[dtype]
 
 
-def compare(actual: Any, expected: torch.Tensor, bound: torch.Tensor, what: str) -> tuple[list[str], float | None]:
+def compare(actual: Any, expected: torch.Tensor, bound: torch.Tensor, what: str,
+            output: str = "", equal_nan: bool = False) -> tuple[list[str], float | None]:
     """|actual - expected| <= bound elementwise. torch.testing.assert_close decides, on both sides
     divided by the bound (an absolute difference of at most 1 passes; matching infinities pass, NaN
     fails); the message is the harness's own, in the quantity's units: the worst element first
     (actual, expected, |error| > bound), then how many elements are outside their bound.
-    Returns (problems, the worst error/bound over the entries finite on both sides, or None)."""
+    Returns (problems, the worst error/bound over the entries finite on both sides, or None); each
+    problem is about `output` (`checks.problems`) and carries its worst entry. `equal_nan`: NaN on
+    both sides agrees (two runs of one routine compared: a NaN both give is `finite`'s to report)."""
     if not isinstance(actual, torch.Tensor):
-        return [f"{what}: expected a tensor, got {type(actual).__name__}"], None
+        return [Problem(f"{what}: expected a tensor, got {type(actual).__name__}", output)], None
     a = actual.detach().to(torch.float64)
     if a.numel() != expected.numel():
-        return [f"{what}: {a.numel()} elements, expected {expected.numel()}"], None
+        return [Problem(f"{what}: {a.numel()} elements, expected {expected.numel()}", output)], None
     a = a.reshape(expected.shape)
     b = bound.to(torch.float64).reshape(bound.shape + (1,) * (expected.dim() - bound.dim())).expand_as(expected)
     b = b.clamp_min(1e-300)
@@ -203,17 +208,17 @@ def compare(actual: Any, expected: torch.Tensor, bound: torch.Tensor, what: str)
     ratio = (a - expected).abs() / b
     worst = ratio[both].max().item() if both.any() else None
     try:
-        torch.testing.assert_close(a / b, expected / b, atol=1.0, rtol=0.0, check_dtype=False)
+        torch.testing.assert_close(a / b, expected / b, atol=1.0, rtol=0.0, check_dtype=False, equal_nan=equal_nan)
     except AssertionError:
-        return [_mismatch(what, a, expected, b, ratio, both)], worst
+        return [_mismatch(what, a, expected, b, ratio, both, output, equal_nan)], worst
     return [], worst
 
 
 def _mismatch(what: str, a: torch.Tensor, expected: torch.Tensor, b: torch.Tensor, ratio: torch.Tensor,
-              both: torch.Tensor) -> str:
+              both: torch.Tensor, output: str, equal_nan: bool) -> Problem:
     """The failure message of `compare`: the worst element, then the count outside the bound (the
     elements torch.isclose, which assert_close applies, finds apart)."""
-    outside = ~torch.isclose(a / b, expected / b, rtol=0.0, atol=1.0)
+    outside = ~torch.isclose(a / b, expected / b, rtol=0.0, atol=1.0, equal_nan=equal_nan)
     finite_out = outside & both
     if finite_out.any():
         i = tuple(int(k) for k in (ratio.masked_fill(~finite_out, -1) == ratio[finite_out].max()).nonzero()[0])
@@ -224,7 +229,11 @@ def _mismatch(what: str, a: torch.Tensor, expected: torch.Tensor, b: torch.Tenso
         head = (f"not finite at {list(i)}: actual {a[i].item():.9g}, expected {expected[i].item():.9g}" if i
                 else "outside the bound")
     n, total = int(outside.sum()), outside.numel()
-    return f"{what}: {head}; {n} of {total} element(s) outside the bound ({100.0 * n / max(total, 1):.3g}%)"
+    text = f"{what}: {head}; {n} of {total} element(s) outside the bound ({100.0 * n / max(total, 1):.3g}%)"
+    if not i:
+        return Problem(text, output)
+    return Problem(text, output, index=i, actual=float(a[i].item()), expected=float(expected[i].item()),
+                   bound=float(b[i].item()))
 
 
 def dot_growth(n: int) -> float:

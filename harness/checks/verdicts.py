@@ -1,6 +1,9 @@
 """Judging: a check's evidence turned into a finding, and what a run's checks concluded.
 
-The driver runs cases and hands each check's evidence over (`Verdicts.judge`); everything a verdict
+The conversation runs one way. The driver runs cases and hands each check's evidence over
+(`Verdicts.evaluate`: the check's problems, nothing counted); once the ranks are free it splits a
+failing verdict's problems by family, running the case's variants where that takes them
+(`Runner.about`), and hands the verdict back to be counted (`Verdicts.record`). Everything a verdict
 is made of lives here: the check's problems become a finding with its repro line, the finding is new
 or matches a known entry, and the run's statistics (cases checked, failed and known per check and
 level, the share of the tolerance used), the bitwise property sheet and the "not applied" notes are
@@ -10,7 +13,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable
 
 from harness.checks import Check, Evidence
 from harness.checks import script as scripts
@@ -20,15 +22,13 @@ from harness.checks.known import Entry, KnownFindings
 from harness.checks.terms import exercised, split_by_term
 from harness.checks.use import beyond
 
-# `about(check, evidence, problems) -> [(term, context, problems)]`: a failing check's problems
-# split by family (the driver's `Runner.about`, which may run the case's variants to tell; it raises
-# `Later` when it cannot run them yet, and the check is judged again afterwards).
-About = Callable[[Check, Evidence, list[str]], list[tuple[str, str, list[str]]]]
+Groups = list[tuple[str, str, list[str]]]  # a verdict's problems by family: (term, context, problems)
 
 
-class Later(Exception):
-    """The family of a failing check cannot be told now (the ranks are busy with another job):
-    nothing was counted, judge it again once they are free."""
+@dataclass(frozen=True)
+class Judged:
+    """A check's verdict on one case before it is counted: its problems (none: it passed)."""
+    problems: list[str]
 
 KNOWN_KEPT = 200  # known findings kept for the report; every match is counted on its entry
 
@@ -60,24 +60,24 @@ class Verdicts:
         self.properties: dict[str, dict[str, list[int]]] = defaultdict(dict)
         self.known_findings: list[Finding] = []
 
-    def judge(self, chk: Check, ev: Evidence, repro: str, about: About | None = None) -> list[Finding]:
-        """Evaluate `chk` on the evidence of one case (its twin already in `ev.twins` where it asks for
-        one) and count the verdict; the new findings, one per family (`about` splits the problems;
-        without it, one), none when it passed or every finding is known."""
-        case = ev.case
-        first = len(ev.margins)
+    @staticmethod
+    def evaluate(chk: Check, ev: Evidence) -> Judged:
+        """`chk` on the evidence of one case (its twin already in `ev.twins` where it asks for one):
+        what it found, nothing counted yet. The share of each bound it used goes to `ev.margins`."""
         try:
-            problems = chk.fn(ev)
+            return Judged(chk.fn(ev))
         except Exception as e:  # outputs malformed beyond what the check anticipated
-            problems = [f"the check could not evaluate the outputs: {type(e).__name__}: {e}"]
-        try:
-            groups = (about(chk, ev, problems) if about is not None else [("", "", problems)]) if problems else []
-        except Later:
-            del ev.margins[first:]  # recorded again when it is judged again
-            raise
+            return Judged([f"the check could not evaluate the outputs: {type(e).__name__}: {e}"])
+
+    def record(self, chk: Check, ev: Evidence, judged: Judged, groups: Groups, repro: str,
+               margins: list[tuple[str, float]]) -> list[Finding]:
+        """Count a verdict (`evaluate`'s) and make its findings: one per family of `groups` ((term,
+        context, problems), the driver's split of the problems; none when it passed). The new ones,
+        none when every finding is known. `margins`: what the evaluation added to `ev.margins`."""
+        case, problems = ev.case, judged.problems
         stats = self.stats[(chk.name, case.level)]
         stats.applied += 1
-        used = [m for _, m in ev.margins[first:] if m == m]
+        used = [m for _, m in margins if m == m]
         if used:
             stats.margins_by_group.setdefault(case.group(), []).extend(used)
         if chk.family == "bitwise":

@@ -2,11 +2,13 @@
 (`harness.meters.matmul_flops`), compared with the same call where every input is trainable."""
 from __future__ import annotations
 
+from typing import cast
+
 from harness.cases.case import LinearCase
 from harness.checks import Evidence, check
 
 
-@check("frozen-input-work", levels=("linear",),
+@check("frozen-input-work", evidence=("matmul-work",),
        applies=lambda c, t: c.T > 0 and c.requires_grad and c.frozen != "none" and c.context == "train",
        reads=("work",))
 def frozen_input_work(ev: Evidence) -> list[str]:
@@ -20,8 +22,7 @@ def frozen_input_work(ev: Evidence) -> list[str]:
     the trainable call's counted matmuls cover its forward logits and both gradients
     (6*T*V_local*H): a routine whose products run outside torch's matmul ops (its own kernels,
     elementwise sums) leaves nothing to compare."""
-    c = ev.case
-    assert isinstance(c, LinearCase)
+    c = cast(LinearCase, ev.case)  # evidence "matmul-work": this level's cases
     one_product = 2 * c.T * c.v_local * c.H
     problems = []
     for r in range(len(ev.ranks)):

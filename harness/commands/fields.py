@@ -7,18 +7,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from harness.cases.case import CASE_TYPES, field_syntax, fmt_field
+from harness.base import levels
+from harness.cases.case import field_syntax, fmt_field
 
 
 def _field_rows(level: str) -> list[tuple[str, str, str]]:
     """(field, what a spec may write, default or "required") for every field of a level's cases."""
     return [(f.name, field_syntax(f), "required" if f.default is dataclasses.MISSING else fmt_field(f.default))
-            for f in dataclasses.fields(CASE_TYPES[level])]
+            for f in dataclasses.fields(levels.case_types()[level])]
 
 
 def fields_markdown() -> str:
     blocks = []
-    for level in CASE_TYPES:
+    for level in levels.case_types():
         lines = [f"`{level}:` cases", "", "| field | values | default |", "|---|---|---|"]
         lines += [f"| `{name}` | {values.replace('|', ', ')} | {default} |"
                   for name, values, default in _field_rows(level)]
@@ -28,7 +29,7 @@ def fields_markdown() -> str:
 
 def fields_plain() -> str:
     blocks = []
-    for level in CASE_TYPES:
+    for level in levels.case_types():
         rows = _field_rows(level)
         width = max(len(name) for name, _, _ in rows)
         lines = [f"{level} cases (spec `{level}:field=value,...`)"]

@@ -27,7 +27,7 @@ from harness.driver.git_trees import Commit, Git, commits, module_paths
 from harness.driver.replay import run_all
 from harness.report.console import finding_blocks
 from harness.report.history_table import first_findings, history_rows, render_html, render_markdown, transitions
-from harness.targets import KERNEL, LINEAR, WRAPPER, is_file_spec
+from harness.targets import contract_names, is_file_spec
 from harness.targets.peers import bound_names, peers
 
 
@@ -91,7 +91,7 @@ def _refuse_without_contract(git: Git, target: str, rev: str, listed: list[Commi
         path = module_paths(git, rev, target)[0]
     except UsageError:
         return  # not the repository's module (an adapter, an installed target): its checks say
-    contract = {KERNEL, WRAPPER, LINEAR, "*"}
+    contract = {*contract_names(), "*"}
     for c in listed:
         try:
             source = git("show", f"{c.sha}:{path}")
@@ -103,7 +103,7 @@ def _refuse_without_contract(git: Git, target: str, rev: str, listed: list[Commi
     hint = (f"--target {adapters[0]} --paths {path}" + (f" (or {', '.join(adapters[1:])})" if adapters[1:] else "")
             if adapters else f"--target ADAPTER --paths {path}, where ADAPTER maps its functions onto the contract "
                              f"(docs/peers.md)")
-    raise UsageError(f"{target} defines none of the contract's functions ({KERNEL}, {WRAPPER}, {LINEAR}) in any of "
+    raise UsageError(f"{target} defines none of the contract's functions ({', '.join(contract_names())}) in any of "
                      f"the {len(listed)} commit(s) touching {path}: there is nothing to check. Check its functions "
                      f"through an adapter: {hint}")
 

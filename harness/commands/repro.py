@@ -7,10 +7,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from harness.base import options
+from harness.base import levels, options
 from harness.base.errors import TargetError, UsageError
 from harness.base.options import RunConfig
-from harness.cases.case import parse_case
 from harness.checks import all_checks
 from harness.checks import script as scripts
 from harness.checks.findings import BEYOND_USE, Finding
@@ -27,7 +26,7 @@ UNTESTABLE = 125
 
 def cmd_repro(ns: argparse.Namespace, cfg: RunConfig) -> int:
     try:
-        case = parse_case(ns.case)
+        case = levels.parse(ns.case)
     except (ValueError, TypeError) as e:
         raise UsageError(f"{e} (`python -m harness fields` lists every field and its values)") from None
     if ns.repo is not None:
@@ -73,8 +72,8 @@ def write_script(ns: argparse.Namespace, runner: Runner, case, findings: list[Fi
         written = scripts.write(runner.target, case, check, term, ns.script)
     except ValueError as e:
         raise UsageError(f"--script: {e}") from None
-    print(f"script: {written[0]}" + (f" (its inputs in {written[1]})" if len(written) > 1 else "")
-          + f"; run it with the routine's tree on PYTHONPATH: python {written[0]}")
+    print(f"script: {written[0]}" + (f" (its bounds in {written[1]})" if len(written) > 1 else "")
+          + f"; run it with the routine's folder on PYTHONPATH (or its file as the argument): python {written[0]}")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -16,11 +16,11 @@ from hypothesis import given
 from hypothesis import seed as hyp_seed
 from hypothesis import strategies as st
 
+from harness.base import levels
 from harness.base.errors import HarnessError
 from harness.cases.case import Case
 from harness.cases.corpus import CORPUS
 from harness.cases.profiles import Profile, explore_settings
-from harness.cases.strategies import LEVEL_STRATEGIES
 from harness.checks.findings import Finding
 from harness.driver import torchrun
 from harness.driver.limits import HANG_SHRINK_MAX_CASES, RunLimits, hung
@@ -77,9 +77,9 @@ class _NewFailure(Exception):
 
 def strategy_for(runner: Runner, level: str, tps: Iterable[int], dp: int = 1, cp: int = 1) -> st.SearchStrategy:
     t = runner.target
-    extra = {"cp": st.just(cp)} if cp > 1 else {}  # a wrapper-level axis
-    return LEVEL_STRATEGIES[level](tp=st.sampled_from(tuple(tps)), entropy=t.supports("entropy"),
-                                   keep_mask=t.supports("keep_mask"), dp=st.just(dp), **extra)
+    extra = {"cp": st.just(cp)} if cp > 1 else {}  # the axis of a level with CP counts
+    return levels.get(level).strategy(tp=st.sampled_from(tuple(tps)), entropy=t.supports("entropy"),
+                                      keep_mask=t.supports("keep_mask"), dp=st.just(dp), **extra)
 
 
 def corpus_cases(levels: Iterable[str], tps: Iterable[int]) -> list[tuple[str, Case]]:
@@ -198,31 +198,31 @@ def explore(runner: Runner, level: str, tps: Iterable[int], max_examples: int, s
     return out
 
 
-def plan(profile: Profile, levels: Iterable[str], tps: list[int], launched: bool = False,
+def plan(profile: Profile, levels_of_run: Iterable[str], tps: list[int], launched: bool = False,
          cp: Iterable[int] | None = None) -> list[tuple[str, list[int], int, int, int]]:
     """What `harness check` explores: (level, TP sizes, cases, DP, CP) per step. Every TP size asked
     for, then the profile's extra ones (except under a launcher, whose world is fixed) in a step of
     their own at the profile's share of the per-size counts, at DP 1;
     then the profile's DP sizes, TP groups inside a world of 2 replicas; then wrapper cases in
-    TP x CP worlds, at the CP sizes asked for (`cp`; None: the profile's)."""
+    TP x CP worlds of the levels that take CP, at the CP sizes asked for (`cp`; None: the profile's).
+    The counts per TP size are each level's own at the profile (`Level.counts`)."""
     asked = sorted(set(tps))
     extra = [] if launched else sorted(set(profile.extra_tp) - set(tps))
     sizes = sorted(asked + extra)
-    counts = {"kernel": profile.kernel_cases, "wrapper": profile.wrapper_cases, "linear": profile.linear_cases,
-              "distill": profile.distill_cases}
-    # The linear level runs in one TP group: DP replicas are the other levels' axis.
-    dp_counts = {"kernel": profile.dp_kernel_cases, "wrapper": profile.dp_wrapper_cases, "linear": 0,
-                 "distill": profile.dp_distill_cases}
+    counts = {lv: levels.get(lv).counts for lv in levels_of_run}
     dp_sizes = [] if launched else [tp for tp in sizes if tp in profile.dp_tp]
     steps = []
-    for level in (lv for lv in levels if counts[lv]):
-        steps.append((level, asked, counts[level] * len(asked), 1, 1))
+    for level, n in ((lv, c.cases.get(profile.name, 0)) for lv, c in counts.items()):
+        if not n:
+            continue
+        steps.append((level, asked, n * len(asked), 1, 1))
         if extra:
-            steps.append((level, extra, max(1, round(counts[level] * profile.extra_tp_share)) * len(extra), 1, 1))
+            steps.append((level, extra, max(1, round(n * profile.extra_tp_share)) * len(extra), 1, 1))
     if dp_sizes:
-        steps += [(level, dp_sizes, dp_counts[level] * len(dp_sizes), 2, 1) for level in levels if dp_counts[level]]
+        steps += [(level, dp_sizes, n * len(dp_sizes), 2, 1) for level, c in counts.items()
+                  if (n := c.dp.get(profile.name, 0))]
     cp_sizes = [] if launched else sorted(set(profile.cp_sizes if cp is None else cp) - {1})
     cp_tps = [tp for tp in sizes if tp in profile.cp_tp] or sizes[:1]
-    if "wrapper" in levels and profile.cp_wrapper_cases:
-        steps += [("wrapper", cp_tps, profile.cp_wrapper_cases * len(cp_tps), 1, size) for size in cp_sizes]
+    steps += [(level, cp_tps, n * len(cp_tps), 1, size) for level, c in counts.items()
+              if (n := c.cp.get(profile.name, 0)) for size in cp_sizes]
     return steps

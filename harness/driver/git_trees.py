@@ -15,7 +15,7 @@ from harness.base.errors import UsageError
 class Commit:
     sha: str
     subject: str
-    date: str
+    date: str  # the author date: a rebase or a cherry-pick gives a branch's commits one committer date
     content: str  # the target files' blob ids: equal content, equal result
     same_as: str | None = None  # an earlier commit with the same content, whose result this one reuses
 
@@ -97,7 +97,7 @@ def commits(git: Git, paths: list[str], since: str | None, rev: str) -> list[Com
     """The commits touching `paths` up to `rev`, oldest first, from `since` (included, whether it
     touches them or not: the starting point) when given; each marked with the earlier commit whose
     target files it repeats, if any."""
-    fmt = "--format=%H%x00%cs%x00%s"
+    fmt = "--format=%H%x00%as%x00%s"
     log = (git("log", "-1", fmt, since, "--") if since else "") + \
         git("log", "--reverse", fmt, f"{since}..{rev}" if since else rev, "--", *paths)
     out: list[Commit] = []

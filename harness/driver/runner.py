@@ -9,17 +9,18 @@ import time
 from collections import OrderedDict
 from typing import Any, Callable, cast
 
+from harness.base import levels
 from harness.base.errors import LaunchError, TargetError
 from harness.base.options import COLLECTIVE_TIMEOUT_S, RunConfig
-from harness.cases.capabilities import fit
-from harness.cases.case import Case, parse_case
+from harness.cases.case import Case
 from harness.checks import Check, Evidence, all_checks, oracle
 from harness.checks.families import context_of, plain
 from harness.checks.findings import Finding, repro_command
 from harness.checks.known import load as load_known
-from harness.checks.terms import GRADIENT, gradient_terms, named_output, split_by_term
+from harness.checks.problems import GRADIENT, output_of
+from harness.checks.terms import gradient_terms, split_by_term
 from harness.checks.use import parse_use
-from harness.checks.verdicts import Later, Verdicts
+from harness.checks.verdicts import Judged, Verdicts
 from harness.driver import torchrun
 from harness.driver.pool import COMPILE_BOUND_S, STARTUP_TIMEOUT_S, WorkerPool, meanwhile
 from harness.engine.executor import CASE_JOB
@@ -138,7 +139,7 @@ class Runner:
 
     def fit(self, case: Case) -> Case:
         """The case as this target can take it (its declared capabilities: `cases.capabilities`)."""
-        return fit(case, self.target.supports)
+        return levels.fit(case, self.target.supports)
 
     def run(self, case: Case, while_waiting: Callable[[], Any] | None = None, meter_memory: bool = True) -> Evidence:
         """Run a case on every rank of its pool. Results are cached per case: checks that share
@@ -300,11 +301,12 @@ class Runner:
         later = [run for run in later if run in keep]
         later += [twins[name] for name in wanted if self.checks[name].twin_in_same_process]
         outcome: dict[str, list[Finding]] = {}
+        waiting: dict[str, tuple[Judged, list]] = {}
         failures: list[Exception] = []
 
         def evaluate_ready() -> None:  # `meanwhile` would swallow an error of the harness's own: keep it
             try:
-                self._evaluate(ev, applied, twins, outcome, only, run_twins=False)
+                self._evaluate(ev, applied, twins, outcome, only, False, waiting)
             except Exception as e:
                 failures.append(e)
 
@@ -312,16 +314,23 @@ class Runner:
             self.run_together([run], while_waiting=evaluate_ready)
             if failures:
                 raise failures[0]
-        self._evaluate(ev, applied, twins, outcome, only, run_twins=True)
+        self._evaluate(ev, applied, twins, outcome, only, True, waiting)
         return ev, [f for name in self.checks for f in outcome.get(name, [])]
 
     def _evaluate(self, ev: Evidence, applied: set[str], twins: dict[str, tuple[Case, bool]],
-                  outcome: dict[str, list[Finding]], only: set[str] | None, run_twins: bool) -> None:
+                  outcome: dict[str, list[Finding]], only: set[str] | None, run_twins: bool,
+                  waiting: dict[str, tuple[Judged, list]]) -> None:
         """Evaluate the checks not in `outcome` yet whose twins have run (all of them with
-        `run_twins`, running any twin still missing); each check's new findings go to `outcome`."""
+        `run_twins`, running any twin still missing); each check's new findings go to `outcome`. A
+        check that fails while the ranks run another job waits in `waiting` (telling its families
+        may run cases) and is counted on the pass with `run_twins`, when they are free."""
         repro = repro_command(self.target.spec, ev.case, self.repro_env)
+        if run_twins:
+            for name, (judged, margins) in waiting.items():
+                outcome[name] = self._record(self.checks[name], ev, judged, repro, margins)
+            waiting.clear()
         for chk in self.checks.values():
-            if chk.name in outcome:
+            if chk.name in outcome or chk.name in waiting:
                 continue
             if chk.name not in applied:
                 if not only or chk.name in only:
@@ -342,10 +351,16 @@ class Runner:
                 if chk.needs and not twin.completed(chk.needs):
                     continue  # the twin's own crash is reported when it runs as a case
                 ev.twins[chk.name] = twin
-            try:
-                outcome[chk.name] = self.verdicts.judge(chk, ev, repro, self.about)
-            except Later:  # its family needs a case run while the ranks run a twin: judged after it
-                del outcome[chk.name]
+            first = len(ev.margins)
+            judged = self.verdicts.evaluate(chk, ev)
+            if judged.problems and not run_twins:
+                waiting[chk.name] = (judged, ev.margins[first:])
+                continue
+            outcome[chk.name] = self._record(chk, ev, judged, repro, ev.margins[first:])
+
+    def _record(self, chk: Check, ev: Evidence, judged: Judged, repro: str, margins: list) -> list[Finding]:
+        groups = self.about(chk, ev, judged.problems) if judged.problems else []
+        return self.verdicts.record(chk, ev, judged, groups, repro, margins)
 
     def probe(self, chk: Check, case: Case) -> list[str] | None:
         """`chk`'s problems on another case (with its twin), for telling a finding's family; not
@@ -354,8 +369,7 @@ class Runner:
         case = self.fit(case)
         key = (chk.name, case)
         if key not in self._probes:
-            if self._in_flight:
-                raise Later
+            assert not self._in_flight, "a probe runs cases: never while the ranks run another job"
             self._probes[key] = self._judge_alone(chk, case) if chk.applicable(case, self.target) else None
         return self._probes[key]
 
@@ -379,14 +393,14 @@ class Runner:
 
     def about(self, chk: Check, ev: Evidence, problems: list[str]) -> list[tuple[str, str, list[str]]]:
         """A failing check's problems split by family (`checks.families`): (term, context, problems).
-        A `terms` check's problems go to the output each names; a gradient's to the terms of the loss
+        A `terms` check's problems go to the output each is about (`Problem.output`); a gradient's to the terms of the loss
         it comes from, told by the case with each term alone when both are in it (`terms.gradient_terms`).
         A call context is the family's when the same case on the plain path passes (or the check
         applies only in that context)."""
         by_term: dict[str, list[str]] = {}
         split = split_by_term(chk.terms, ev.case)
         for p in problems:
-            output = named_output(p) if split else ""
+            output = output_of(p) if split else ""
             terms = self._gradient_terms(chk, ev.case) if output == GRADIENT else (output,)
             for term in terms or ("",):
                 by_term.setdefault(term, []).append(p)
@@ -395,7 +409,7 @@ class Runner:
     def _gradient_terms(self, chk: Check, case: Case) -> tuple[str, ...]:
         def wrong_alone(c: Case) -> bool | None:
             problems = self.probe(chk, c)
-            return None if problems is None else any(named_output(p) == GRADIENT for p in problems)
+            return None if problems is None else any(output_of(p) == GRADIENT for p in problems)
         return gradient_terms(case, wrong_alone)
 
     def _deciding_context(self, chk: Check, case: Case, term: str) -> str:
@@ -405,7 +419,7 @@ class Runner:
         problems = self.probe(chk, plain(case))
         if problems is None:  # the check applies only in that context, or its plain case cannot be judged
             return context
-        same = [p for p in problems if not split_by_term(chk.terms, case) or named_output(p) in (term, GRADIENT)]
+        same = [p for p in problems if not split_by_term(chk.terms, case) or output_of(p) in (term, GRADIENT)]
         return "" if same else context
 
     def explain(self, findings: list[Finding]) -> list[Finding]:
@@ -416,9 +430,10 @@ class Runner:
             chk = self.checks.get(f.check)
             if chk is None or chk.explain is None:
                 continue
-            case = parse_case(f.case)
-            note = chk.explain(Evidence(case, self.target, self.run(case).ranks),
-                               lambda c: Evidence(self.fit(c), self.target, self.run(c).ranks))
+            case = levels.parse(f.case)
+            related = {role: Evidence(self.fit(c), self.target, self.run(c).ranks)
+                       for role, c in chk.explain.related(case, self.target).items()}
+            note = chk.explain.say(Evidence(case, self.target, self.run(case).ranks), related)
             if note:
                 f.message = f"{note}; {f.message}"[:4000]
         return findings

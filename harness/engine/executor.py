@@ -12,6 +12,7 @@ from typing import Any, Iterator
 import torch
 
 from harness import reference
+from harness.base import levels
 from harness.cases.case import Case, DistillCase, KernelCase, LinearCase, WrapperCase
 from harness.engine.calls import (
     DistillShard,
@@ -41,7 +42,12 @@ CASE_JOB = "harness.engine.executor:case_job"
 
 class HarnessStepError(Exception):
     """The harness's own step around the call (building the upstream loss) cannot use what the
-    routine returned: a finding about the output's shape, not a crash of the routine."""
+    routine returned: a finding about the output's shape, not a crash of the routine. `key`: the
+    output it could not use (`log_probs`, `entropy`)."""
+
+    def __init__(self, message: str, key: str):
+        super().__init__(message)
+        self.key = key
 
 
 class _Integrity:
@@ -126,7 +132,7 @@ def _backward(loss: torch.Tensor, case: Case) -> None:
 
 
 def run_kernel(case: KernelCase, target: Target, rank: int, group: Any, device: torch.device,
-               obs: Observation, meter_memory: bool = True) -> None:
+               obs: Observation, meter_memory: bool = True, cp_rank: int = 0) -> None:
     """Fills `obs` as it goes: a backward that raises leaves the forward's observations. The call
     runs in the case's context; a two-call context's second call is outside the memory meter's
     forward (and, accumulating, its backward too), so the figures stay those of one call."""
@@ -174,7 +180,7 @@ def training_kernel(case: KernelCase, target: Target, rank: int, group: Any, dev
 
 
 def run_linear(case: LinearCase, target: Target, rank: int, group: Any, device: torch.device,
-               obs: Observation, meter_memory: bool = True) -> None:
+               obs: Observation, meter_memory: bool = True, cp_rank: int = 0) -> None:
     """A fused-linear call on the training path: outputs, flags, both gradients (the hidden states'
     and this rank's weight shard's; None for a frozen one), input integrity and memory, as
     `run_kernel` records them; in a two_inputs context, the second call's gradients too."""
@@ -223,7 +229,7 @@ def frozen_and_trainable_work(case: LinearCase, target: Target, rank: int, group
 
 
 def run_distill(case: DistillCase, target: Target, rank: int, group: Any, device: torch.device,
-                obs: Observation, meter_memory: bool = True) -> None:
+                obs: Observation, meter_memory: bool = True, cp_rank: int = 0) -> None:
     """A distillation call in the case's context: its output (and the top-k's ids), flags, the
     student's (and a differentiable teacher's) gradient, input integrity and memory, as `run_kernel`
     records them; without autograd, the training path's output too."""
@@ -259,10 +265,10 @@ def run_distill(case: DistillCase, target: Target, rank: int, group: Any, device
     obs.stage = "backward"
 
 
-def wants_kernel_pass(case: Case, target: Target) -> bool:
+def wants_kernel_pass(case: WrapperCase, target: Target) -> bool:
     """Whether a wrapper job also runs its rows (at CP > 1, its CP rank's) through the target's
     kernel, to compare with."""
-    return isinstance(case, WrapperCase) and case.kernel_comparable and target.kernel is not None
+    return case.kernel_comparable and target.kernel is not None
 
 
 def cp_weights(case: WrapperCase, per_sample: list[torch.Tensor] | None, cp_rank: int) -> list[torch.Tensor] | None:
@@ -314,7 +320,7 @@ class _WrapperCall:
         for key, values, weights in (("log_probs", log_probs, w1), ("entropy", entropy if isinstance(entropy, list) else [], w2)):
             for i, (t, wt) in enumerate(zip(values, weights or [], strict=False)):
                 if isinstance(t, torch.Tensor) and t.requires_grad and t.numel() != wt.numel():
-                    raise HarnessStepError(self._step_refused(key, i, t.numel(), wt.numel()))
+                    raise HarnessStepError(self._step_refused(key, i, t.numel(), wt.numel()), key)
         # The routine's count of entries may be wrong: wrapper-extraction reports it, the backward still runs.
         loss = sum((weighted(t, w, self.device) for t, w in zip(log_probs, w1, strict=False)), 0.0)
         if entropy is not None:
@@ -332,8 +338,16 @@ class _WrapperCall:
                 f"returned without raising); this rank ran no backward")
 
 
-def run_wrapper(case: WrapperCase, target: Target, rank: int, device: torch.device, obs: Observation,
-                cp_rank: int = 0, meter_memory: bool = True) -> None:
+def run_wrapper(case: WrapperCase, target: Target, rank: int, group: Any, device: torch.device, obs: Observation,
+                meter_memory: bool = True, cp_rank: int = 0) -> None:
+    """The wrapper's rank side. A wrapper takes its groups from megatron-core's parallel_state, not
+    from `group`; what it asks of the CP state is recorded (`cp_queries`)."""
+    with cp_queries(obs):
+        _run_wrapper(case, target, rank, device, obs, cp_rank, meter_memory)
+
+
+def _run_wrapper(case: WrapperCase, target: Target, rank: int, device: torch.device, obs: Observation,
+                 cp_rank: int = 0, meter_memory: bool = True) -> None:
     call = _WrapperCall(case, target, rank, device, cp_rank=cp_rank)
     logits, tokens = call.logits, call.tokens
     integrity = _Integrity(logits=logits, **{f"tokens[{i}]": t for i, t in enumerate(tokens)})
@@ -474,20 +488,13 @@ def run_on_rank(case: Case, target: Target, rank: int, device: torch.device, cp_
     compile_per_signature(target)
     with trace.recording() as events, watching(device, case.level) as watch:
         try:
-            if isinstance(case, KernelCase):
-                run_kernel(case, target, rank, group, device, result.obs, meter_memory)
-            elif isinstance(case, LinearCase):
-                run_linear(case, target, rank, group, device, result.obs, meter_memory)
-            elif isinstance(case, DistillCase):
-                run_distill(case, target, rank, group, device, result.obs, meter_memory)
-            else:
-                with cp_queries(result.obs):
-                    run_wrapper(case, target, rank, device, result.obs, cp_rank, meter_memory)
+            levels.of(case).run(case, target, rank, group, device, result.obs, meter_memory, cp_rank)
         except Exception as e:  # the target's failure is data
             failed = RankResult.from_exception(rank, e)
             result.error, result.error_kind = failed.error, failed.error_kind
             if isinstance(e, HarnessStepError):
                 result.error, result.error_kind = str(e), HARNESS_STEP
+                result.obs.step_refused = e.key
             result.obs.traceback = failed.obs.traceback
     result.trace = list(events)
     result.obs.side_effects = watch.findings

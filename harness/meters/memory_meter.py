@@ -7,7 +7,7 @@ many tensors view them, and only those the phases allocate or save; the caller's
   does. A ledger sees every op, inside autograd Functions and inside backward: the C++ one
   (`ledger.cpp`, RecordFunction callbacks, no Python per op) where it builds, else `ModeLedger`
   (a `TorchDispatchMode`), which is also the reference the C++ one is held to
-  (`scripts/ledger_check.py`).
+  (`tests/test_ledger_parity.py`).
 - A storage dies when PyTorch frees it, wherever the last user was (a saved tensor, a ctx
   attribute, a cache). So a tensor stashed on `ctx` cannot hide: it is alive, and alive is what
   counts.

@@ -26,8 +26,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, cast
 
+from harness.base import levels
 from harness.base.errors import InstructionCountError
-from harness.cases.case import KernelCase, parse_case
+from harness.cases.case import KernelCase
 
 MARKER = "_PyEval_CallTracing"  # the C function behind sys.call_tracing: called by nothing else we run
 WARMUP_CALLS = 3  # lazy initialisation and Python's specializing interpreter settle before counting
@@ -122,7 +123,7 @@ def _child(job: dict[str, Any]) -> None:
 
     target = load_target(job["target"])
     # The performance gate's cases, which are kernel cases.
-    calls = [prepared_call(target, cast(KernelCase, parse_case(spec)), rank=0, device=torch.device("cpu"), group=None)
+    calls = [prepared_call(target, cast(KernelCase, levels.parse(spec)), rank=0, device=torch.device("cpu"), group=None)
              for spec in job["cases"]]
     for call in calls:
         for _ in range(WARMUP_CALLS):

@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, cast
 
+from harness.base import levels
 from harness.base.errors import InstructionCountError, TargetError, UsageError
 from harness.cases.benchmarks import PERF_CASES
 from harness.cases.capabilities import needs
-from harness.cases.case import KernelCase, parse_case
+from harness.cases.case import KernelCase
 from harness.checks.findings import Finding
 from harness.driver.runner import Runner
 from harness.engine.observations import RankResult
@@ -319,7 +320,7 @@ def compare(runner: Runner, base: dict[str, Any], threshold: float = DEFAULT_THR
     if not memory_comparable:
         cmp.notes.append(f"memory: not compared, the baseline was measured by the {base_ledger} ledger and this run "
                          f"by the {ledger} one (their figures may differ; HARNESS_LEDGER={base_ledger} compares).")
-    entries = [(cast(KernelCase, parse_case(e["case"])), e) for e in base["cases"]]  # the gate's cases: kernel cases
+    entries = [(cast(KernelCase, levels.parse(e["case"])), e) for e in base["cases"]]  # the gate's cases: kernel cases
     counted = _instructions(runner.target.spec, [c for c, e in entries if "instructions" in e], runner.device, say)
     same_env = counted.get("environment") == base.get("environment")
     if "skipped" in counted:

@@ -71,7 +71,7 @@ class Timer:
 def with_overhead(call: Callable[[], None], fraction: float, clock: Callable[[], float]) -> Callable[[], None]:
     """Calibration only: the call, then busy work lasting `fraction` of the call's own duration on
     the measuring clock, so that every call is exactly `1 + fraction` times slower by construction
-    (scripts/perf_calibration.py, the injected slowdowns)."""
+    (scripts/studies/perf_calibration.py, the injected slowdowns)."""
     def slowed() -> None:
         t0 = clock()
         call()

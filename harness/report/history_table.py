@@ -12,6 +12,7 @@ from typing import Any
 
 from harness.checks.families import changed, describe
 from harness.checks.findings import Finding, from_json, script_command
+from harness.checks.verdicts import KNOWN_KEPT
 from harness.driver.git_trees import Commit
 from harness.driver.replay import CommitOutcome
 from harness.report import matrix
@@ -19,6 +20,7 @@ from harness.report.render import environment
 
 MARKS = {"introduced": "FAILS FROM HERE: ", "failing": "FAILS ALREADY: ", "fixed": "FIXED HERE: ",
          "changed": "CHANGES HERE: "}
+NO_RECORD = "no finding recorded"
 
 
 def repro_line(repo: str, sha: str, target: str, case: str, device: str = "cpu") -> str:
@@ -112,13 +114,30 @@ def cell_text(cell: dict[str, Any]) -> str:
     return MARKS.get(cell.get("mark", ""), "") + matrix.cell_text(cell)
 
 
+def cell_title(cell: dict[str, Any]) -> str:
+    """A failing cell's hover text on the page: its lead finding's message and repro. A result may
+    count a family's failures and list none of its findings (a check keeps the first KNOWN_KEPT
+    known ones, and stops at --max-findings): then the count is all there is to say."""
+    if "note" in cell:
+        return f"{cell['note']} | {cell['repro']}"
+    return (f"{cell['failed'] + cell['known']} failing case(s) counted, {NO_RECORD} (a check keeps the first "
+            f"{KNOWN_KEPT} known findings, and stops at --max-findings)")
+
+
+def no_family_note(h: dict[str, Any]) -> str:
+    """Why the table has no family column, where it has none."""
+    if any(row["status"] == "checked" for row in h["rows"]):
+        return "No defect family fails on any commit checked."
+    return "No commit could be checked: each row says why."
+
+
 def render_markdown(h: dict[str, Any]) -> str:
     fams = h["families"]
+    head = ["commit", "authored", "subject", "result", *fams]
     lines = [f"# `harness history`: {h['target']} over {len(h['rows'])} commit(s)", "",
              f"Repository `{h['repo']}`, files {', '.join(f'`{p}`' for p in h['paths'])}; profile {h['profile']}, "
              f"TP {', '.join(map(str, h['tp']))}; {h['checked']} distinct version(s) checked in {h['elapsed_s']:.0f} s.", "",
-             "| commit | date | subject | result | " + " | ".join(fams) + " |",
-             "|---|---|---|---|" + "---|" * len(fams)]
+             "| " + " | ".join(_md(head)) + " |", "|" + "---|" * len(head)]
     for row in h["rows"]:
         if row["status"] == "checked":
             result = f"{row['new']} new, {row['known']} known, {row['cases']} cases"
@@ -132,10 +151,12 @@ def render_markdown(h: dict[str, Any]) -> str:
         else:
             result, cells = f"{row['status']}: {row['reason']}", ["-"] * len(fams)
         lines.append("| " + " | ".join(_md([f"`{row['short']}`", row["date"], row["subject"][:60], result, *cells])) + " |")
+    if not fams:  # no failing family, so no stretch either: an empty table would not say why
+        return "\n".join([*lines, "", no_family_note(h)]) + "\n"
     lines += ["", "| family | brought in by | changed at | fixed by | first finding's repro |", "|---|---|---|---|---|"]
     for t in h["transitions"]:
         came = f"`{t['introduced']}`" + (" (already at the first commit checked)" if t["already_at_first"] else "")
-        repro = (f"`{t['repro']}`" + ("" if t.get("shrunk") else " (not shrunk)")) if t["repro"] else "-"
+        repro = (f"`{t['repro']}`" + ("" if t.get("shrunk") else " (not shrunk)")) if t["repro"] else NO_RECORD
         if t.get("script"):
             repro += f"; stand-alone script: `{t['script']}`"
         changes = "; ".join(f"`{c['commit']}`: {c['what']}" for c in t.get("changes", [])) or "-"
@@ -177,4 +198,5 @@ def _md(cells: list[str]) -> list[str]:
 
 
 def render_html(h: dict[str, Any]) -> str:
-    return environment(autoescape=True).get_template("history.html.j2").render(h=h, cell_text=cell_text)
+    return environment(autoescape=True).get_template("history.html.j2").render(
+        h=h, cell_text=cell_text, cell_title=cell_title, no_family_note=no_family_note(h), no_record=NO_RECORD)

@@ -14,6 +14,7 @@ its own state: one defect per family (`family_cells`, which `harness history` re
 """
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from harness.checks import Check, all_checks
@@ -32,8 +33,8 @@ CAPABILITY_WORDS = {"entropy": "no entropy", "keep_mask": "no keep mask",
 
 
 def family(chk: Check) -> str:
-    module = chk.fn.__module__.rpartition(".")[2]
-    return module if module in ("memory", "wrapper") else chk.name
+    """The matrix column of a check: its own, or the one its module gathers its checks under."""
+    return getattr(sys.modules[chk.fn.__module__], "MATRIX_COLUMN", chk.name)
 
 
 def columns() -> list[str]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness.base import extras
-from harness.cases.case import Case, KernelCase
+from harness.cases.case import Case
 from harness.checks import Evidence
 from harness.checks.findings import Finding
 from harness.checks.memory import budget_use
@@ -61,7 +61,8 @@ def finish(ns: argparse.Namespace, runner: Runner, result: dict[str, Any]) -> li
 def memory_config(case: Case) -> str:
     """Configurations as memory differs: per-rank bytes in units of T*V_local*4 do not depend on
     the TP size, they do on the input dtype and on what the entropy costs."""
-    dtype = f" {case.dtype}" if isinstance(case, KernelCase) or case.dtype != "fp32" else ""
+    # A level whose contract takes float32 logits (half precision opt-in) names the dtype only when it differs.
+    dtype = f" {case.dtype}" if case.dtype != "fp32" or not case.half_precision_capability else ""
     return f"{case.level}{dtype}, {case.entropy_mode}"
 
 
@@ -73,10 +74,10 @@ def memory_by_config(executed: list[Evidence], budget: dict[str, float]) -> dict
     for ev in executed:
         case = ev.case
         figures = [r.obs.memory for r in ev.ranks]
-        # The linear level's budget is memory-linear-retained's (no [T, V_local] at all), not a
-        # multiple of T*V_local*4, and the distillation level is held to no budget (its memory check
-        # is memory-no-vocab-gather): their cases are not on this table's scale.
-        if case.T == 0 or case.level in ("linear", "distill") or ev.failed_ranks or not all(figures):
+        # Only a level whose memory is weighed in multiples of its logits' T*V_local*4 is on this table's
+        # scale (`on_logits_scale`): not the linear level's (memory-linear-retained's: no [T, V_local] at
+        # all), nor the distillation level's (no budget; its memory check is memory-no-vocab-gather).
+        if case.T == 0 or not ev.level.memory.on_logits_scale or ev.failed_ranks or not all(figures):
             continue
         row = configs.setdefault(memory_config(case), {"cases": 0, "worst": {}, "dtype": case.dtype})
         row["cases"] += 1

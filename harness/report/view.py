@@ -9,10 +9,10 @@ import math
 import re
 from typing import Any
 
+from harness.base import levels
 from harness.checks.families import family_label
 from harness.checks.findings import BEYOND_USE, IN_USE, reading_order
 
-LEVELS = ("kernel", "wrapper", "linear", "distill")
 NEAR = 0.5  # error/tolerance above this is close enough to the line to be worth a look
 SHOWN_LINES = 4  # lines of a finding's message shown before "full message"
 
@@ -61,14 +61,14 @@ def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
                     worst, worst_group = top, group
         rows.append({
             "check": name,
-            "cells": {lvl: per_level.get(lvl) for lvl in LEVELS},
+            "cells": {lvl: per_level.get(lvl) for lvl in levels.all_levels()},
             "failed": name in failing or any(s["failed"] for s in per_level.values()),
             "known": sum(s.get("known", 0) for s in per_level.values()),
             "margin": worst, "margin_state": margin_state(worst), "worst_group": worst_group,
         })
     for name in dict.fromkeys(f["check"] for f in result["findings"]):
         if name not in result["checks"]:  # a feature's own check (a baseline gate): no per-case stats
-            rows.append({"check": name, "cells": {lvl: None for lvl in LEVELS}, "failed": True, "known": 0,
+            rows.append({"check": name, "cells": {lvl: None for lvl in levels.all_levels()}, "failed": True, "known": 0,
                          "margin": None, "margin_state": "none", "worst_group": None})
     return sorted(rows, key=lambda r: not r["failed"])  # failing checks first; otherwise run order
 
@@ -116,7 +116,7 @@ def view(result: dict[str, Any]) -> dict[str, Any]:
     figs = margins(result)
     return {
         "target": result["target"],
-        "levels": [lvl for lvl in LEVELS if lvl in result["levels"]],
+        "levels": [lvl for lvl in levels.all_levels() if lvl in result["levels"]],
         "missing_features": sorted(k for k, ok in result.get("capabilities", {}).items() if not ok),
         "run": {k: result.get(k) for k in ("profile", "seed", "tp", "cases_run", "elapsed_s", "cases_per_s")},
         "summary": rows,

@@ -4,11 +4,13 @@ A spec is an importable module path (`harness.targets.fused`, `mypkg.logprobs`),
 (`mylp.py`, `./pkg/mylp.py`: imported by its module name, then known by its absolute path) or
 `PREFIX:NAME` for a target namespace: a package that registers itself under the entry-point group
 `harness.target_namespaces` (the mutation catalog is `mutant:NAME`). The resolver knows no
-namespace by name. A module provides the kernel, the wrapper, the fused-linear routine
-(docs/fused-linear.md), any of the distillation level's four functions (docs/distill.md), or any of
-them, under the contract's names. Optional module attributes describe it further:
+namespace by name. A module provides the functions of any level's contract (`Level.contracts`,
+`harness.base.levels`: the kernel, the wrapper, the fused-linear routine, docs/fused-linear.md, any
+of the distillation level's four functions, docs/distill.md), under the contract's names. Its typed
+declaration, `HARNESS = Declaration(...)` (`harness.targets.declaration`; the older loose
+`HARNESS_*` globals still load), describes it further:
 
-- `HARNESS_CAPABILITIES`: dict overriding `{"entropy": True, "keep_mask": True,
+- `capabilities`: dict overriding `{"entropy": True, "keep_mask": True,
   "metric_only_entropy": True, "top_p": True, "cpu": True, "eager": True, "tensor_parallel": True,
   "context_parallel": True, "allgather_cp": True, "cp_gradient": True}` for a routine
   that computes no entropy, takes no keep mask, ignores `with_entropy_grad=False`, or whose wrapper
@@ -23,12 +25,12 @@ them, under the contract's names. Optional module attributes describe it further
   without autograd). One is False unless declared: `"wrapper_half_precision"`, a wrapper that takes
   bf16 and fp16 logits besides the contract's float32 ones. A value may be given per device,
   `{"cpu": False}`: a run on that device fits its cases to False, any other to True;
-- `HARNESS_MEMORY_BUDGET`: dict of retained/peak budgets as multiples of `T * V_local * 4` bytes;
-- `HARNESS_USE`: the inputs the trainer's own callers never make, each entry citing the trainer's
+- `memory_budget`: dict of retained/peak budgets as multiples of `T * V_local * 4` bytes;
+- `use`: the inputs the trainer's own callers never make, each entry citing the trainer's
   file and line (`harness.checks.use`): findings on them are `beyond-use`, the others `in-use`.
 
 A routine older than the contract's newest parameters (no `with_entropy_grad`, no top-p arguments)
-is called without them, and the capability that this means is inferred false (`CONTRACTS`,
+is called without them, and the capability that this means is inferred false (`Contract.optional`,
 docs/history.md); a level that the contract cannot call at all is left out (`not_checked`).
 """
 from __future__ import annotations
@@ -45,8 +47,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
+from harness.base import levels
 from harness.base.errors import TargetError
 from harness.cases.capabilities import OPT_IN
+from harness.targets.declaration import declaration_of
 
 KERNEL = "calculate_log_probs_and_entropy"
 WRAPPER = "get_log_probs_and_entropy"
@@ -59,21 +63,31 @@ DISTILL = {"log_softmax": "distill_log_softmax", "topk": "distill_topk", "gather
 @dataclass
 class Target:
     spec: str
-    kernel: Callable | None
-    wrapper: Callable | None
+    # level -> {contract function key -> routine}: what the target provides, by its level's contracts
+    # (`harness.base.levels`); a level it does not provide is absent.
+    routines: dict[str, dict[str, Callable]] = field(default_factory=dict)
     capabilities: dict[str, Any] = field(default_factory=dict)  # bool, or {device: bool} (`on`)
     memory_budget: dict[str, float] = field(default_factory=dict)
-    linear: Callable | None = None  # the fused-linear level (docs/fused-linear.md)
     inferred: dict[str, bool] = field(default_factory=dict)  # capabilities read off the signatures
     not_checked: dict[str, str] = field(default_factory=dict)  # level -> why its routine cannot be called
     omitted: dict[str, frozenset[str]] = field(default_factory=dict)  # level -> contract parameters it lacks
-    distill: dict[str, Callable] = field(default_factory=dict)  # the distillation level: function -> routine
     use: list[dict[str, Any]] = field(default_factory=list)  # HARNESS_USE (`harness.checks.use`)
 
     @property
     def levels(self) -> tuple[str, ...]:
-        return tuple(lvl for lvl, fn in (("kernel", self.kernel), ("wrapper", self.wrapper), ("linear", self.linear),
-                                         ("distill", self.distill or None)) if fn is not None)
+        return tuple(lvl for lvl in levels.all_levels() if self.routines.get(lvl))
+
+    def routine(self, level: str, key: str | None = None) -> Callable | None:
+        """The routine of `level`'s contract function `key` (default: the level's only one)."""
+        found = self.routines.get(level, {})
+        return found.get(key) if key is not None else next(iter(found.values()), None)
+
+    # The routines by the names the contract's levels have always had here (peers and the engine's
+    # rank-side calls read them).
+    kernel = property(lambda self: self.routine("kernel"))
+    wrapper = property(lambda self: self.routine("wrapper"))
+    linear = property(lambda self: self.routine("linear"))
+    distill = property(lambda self: self.routines.get("distill", {}))
 
     def supports(self, feature: str) -> bool:
         """Whether it has `feature`; one declared per device counts only where every device has it
@@ -95,7 +109,7 @@ class Target:
         """What the signatures told: capabilities inferred from parameters a routine lacks, and levels
         that cannot be called at all (left unchecked)."""
         notes = [f"{lvl}: called without {', '.join(sorted(params))} (not in its signature): "
-                 f"{', '.join(sorted({CONTRACTS[lvl].optional[p] for p in params}))} inferred False"
+                 f"{', '.join(sorted({_optional(lvl)[p] for p in params}))} inferred False"
                  for lvl, params in self.omitted.items() if params]
         return notes + [f"{lvl}: not checked: {why}" for lvl, why in self.not_checked.items()]
 
@@ -104,6 +118,11 @@ class Target:
         if device == "cpu" and not self.supports("cpu"):
             return f"{self.spec} runs only on CUDA (HARNESS_CAPABILITIES['cpu'] is False): use --device cuda on a GPU"
         return None
+
+
+def _optional(level: str) -> dict[str, str]:
+    """A level's optional parameters, over all its contract functions: parameter -> capability."""
+    return {p: cap for c in levels.get(level).contracts.values() for p, cap in c.optional.items()}
 
 
 @dataclass(frozen=True)
@@ -129,28 +148,6 @@ class Contract:
 
 
 REQUIRED = inspect.Parameter.empty
-CONTRACTS = {
-    "kernel": Contract(KERNEL, ("logits", "tokens", "tp_group"),
-                       dict(with_entropy=False, chunk_size=-1, log_prob_keep_mask=None, with_entropy_grad=True),
-                       optional={"with_entropy_grad": "metric_only_entropy", "log_prob_keep_mask": "keep_mask"}),
-    "wrapper": Contract(WRAPPER, ("logits",),
-                        dict(args=REQUIRED, unconcat_tokens=REQUIRED, total_lengths=REQUIRED, response_lengths=REQUIRED,
-                             with_entropy=False, non_loss_data=True, top_p_token_ids=None, top_p_token_offsets=None),
-                        keyword_only=True, optional={"top_p_token_ids": "top_p", "top_p_token_offsets": "top_p"}),
-    "linear": Contract(LINEAR, ("hidden", "weight", "tokens", "tp_group"),
-                       dict(with_entropy=False, chunk_size=-1, with_entropy_grad=True),
-                       optional={"with_entropy_grad": "metric_only_entropy"}),
-}
-DISTILL_CONTRACTS = {
-    "log_softmax": Contract(DISTILL["log_softmax"], ("logits", "tp_group"), dict(temperature=1.0, chunk_size=-1)),
-    "topk": Contract(DISTILL["topk"], ("logits", "k", "tp_group"), dict(temperature=1.0, chunk_size=-1)),
-    "gather": Contract(DISTILL["gather"], ("logits", "indices", "tp_group"),
-                       dict(temperature=1.0, chunk_size=-1, renormalize=False)),
-    "divergence": Contract(DISTILL["divergence"], ("student_logits", "tp_group"),
-                           dict(teacher_logits=None, teacher_topk_log_probs=None, teacher_topk_indices=None, k=0,
-                                kind="forward_kl", beta=0.5, temperature=1.0, renormalize=True, chunk_size=-1),
-                           keyword_only=True),
-}
 
 
 @dataclass(frozen=True)
@@ -162,9 +159,8 @@ class Fitted:
     refused: str | None = None
 
 
-def fit_signature(spec: str, level: str, fn: Any, contract: Contract | None = None) -> Fitted:
+def fit_signature(spec: str, fn: Any, contract: Contract) -> Fitted:
     """Bind the contract's call to `fn`, leaving out the optional parameters that it does not take."""
-    contract = contract or CONTRACTS[level]
     if not callable(fn):
         return Fitted(refused=f"{spec}.{contract.name} is not callable")
     try:
@@ -194,40 +190,44 @@ def mismatch(spec: str, contract: Contract, fn: Any, error: TypeError) -> str:
             f"{contract.name}{contract.signature()}: {why}")
 
 
+def contract_names() -> dict[str, str]:
+    """Every contract function's name, over all levels: name -> the level it belongs to."""
+    return {c.name: lvl.name for lvl in levels.all_levels().values() for c in lvl.contracts.values()}
+
+
 def from_namespace(spec: str, ns: ModuleType | Any) -> Target:
-    """The target of a module or namespace. A level whose routine lacks an optional parameter runs
-    without it (the capability it means is inferred false); a level that cannot be called at all is
-    left out and listed in `not_checked`, unless no level is left."""
-    fns = {lvl: getattr(ns, c.name, None) for lvl, c in CONTRACTS.items()}
-    distill = {f: fn for f, c in DISTILL_CONTRACTS.items() if (fn := getattr(ns, c.name, None)) is not None}
-    if all(fn is None for fn in fns.values()) and not distill:
-        raise TargetError(f"{spec} defines neither {KERNEL} nor {WRAPPER} (nor {LINEAR}, nor a distillation "
-                          f"function: {', '.join(DISTILL.values())})")
+    """The target of a module or namespace: for each level, the contract functions it defines. A
+    routine that lacks an optional parameter runs without it (the capability it means is inferred
+    false); one that cannot be called at all is left out and listed in `not_checked`, unless nothing
+    is left. A level with several functions (the distillation level) may provide any of them: cases
+    of a missing one are fitted away (its level's `missing_capability`)."""
+    found = {lvl.name: {key: fn for key, c in lvl.contracts.items() if (fn := getattr(ns, c.name, None)) is not None}
+             for lvl in levels.all_levels().values()}
+    if not any(found.values()):
+        raise TargetError(f"{spec} defines none of the contract's functions ({', '.join(contract_names())})")
     inferred: dict[str, bool] = {}
     omitted: dict[str, frozenset[str]] = {}
     not_checked: dict[str, str] = {}
-    for lvl, fn in fns.items():
-        if fn is None:
-            continue
-        fitted = fit_signature(spec, lvl, fn)
-        if fitted.refused:
-            not_checked[lvl], fns[lvl] = fitted.refused, None
-            continue
-        omitted[lvl] = fitted.omitted
-        inferred.update(fitted.inferred)
-    for f, fn in list(distill.items()):
-        refused = fit_signature(spec, "distill", fn, DISTILL_CONTRACTS[f]).refused
-        if refused:
-            not_checked[f"distill {f}"] = refused
-            del distill[f]
-    if all(fn is None for fn in fns.values()) and not distill:
+    absent: dict[str, bool] = {}
+    for name, fns in found.items():
+        level = levels.get(name)
+        single = len(level.contracts) == 1
+        for key, fn in list(fns.items()):
+            fitted = fit_signature(spec, fn, level.contracts[key])
+            if fitted.refused:
+                not_checked[name if single else f"{name} {key}"] = fitted.refused
+                del fns[key]
+                continue
+            omitted[name] = omitted.get(name, frozenset()) | fitted.omitted
+            inferred.update(fitted.inferred)
+        if fns and level.missing_capability is not None:
+            absent.update({level.missing_capability(key): False for key in level.contracts if key not in fns})
+    routines = {name: fns for name, fns in found.items() if fns}
+    if not routines:
         raise TargetError("; ".join(not_checked.values()))
-    declared = dict(getattr(ns, "HARNESS_CAPABILITIES", {}))
-    # A distillation target without one of the four functions: cases of it are fitted to the others.
-    absent = {f"distill_{f}": False for f in DISTILL if distill and f not in distill}
-    return Target(spec, fns["kernel"], fns["wrapper"], {**declared, **inferred, **absent},
-                  dict(getattr(ns, "HARNESS_MEMORY_BUDGET", {})), fns["linear"], inferred, not_checked, omitted,
-                  distill, list(getattr(ns, "HARNESS_USE", [])))
+    decl = declaration_of(ns)
+    return Target(spec, routines, {**decl.capabilities, **inferred, **absent}, dict(decl.memory_budget),
+                  inferred, not_checked, omitted, list(decl.use))
 
 
 _cache: dict[str, Target] = {}

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from harness.targets.declaration import Declaration
 from harness.targets.fused_distill import DISTILL_ROUTINE
 from harness.targets.fused_linear import FusedLinearSteps
 
@@ -601,11 +602,13 @@ class FusedLogProbEntropy:
         return torch.empty(0, device=logits.device), res
 
 
-# What the memory checks hold this routine to (docs/memory.md), in units of T * V_local * 4 bytes
-# plus O(T): one saved float32 softmax, and the eager temporaries of an unchunked call.
-HARNESS_MEMORY_BUDGET = {"retained": 1.0, "peak_forward": 9.0, "peak_backward": 9.0}
-# Its wrapper takes bf16 and fp16 logits too: the kernel upcasts them a chunk at a time.
-HARNESS_CAPABILITIES = {"wrapper_half_precision": True}
+HARNESS = Declaration(
+    # What the memory checks hold this routine to (docs/memory.md), in units of T * V_local * 4 bytes
+    # plus O(T): one saved float32 softmax, and the eager temporaries of an unchunked call.
+    memory_budget={"retained": 1.0, "peak_forward": 9.0, "peak_backward": 9.0},
+    # Its wrapper takes bf16 and fp16 logits too: the kernel upcasts them a chunk at a time.
+    capabilities={"wrapper_half_precision": True},
+)
 
 ROUTINE = FusedLogProbEntropy()
 calculate_log_probs_and_entropy = ROUTINE.calculate_log_probs_and_entropy

@@ -21,10 +21,12 @@ Per row chunk, all float32, every rank issuing the same collectives (none withou
 * **divergence over the whole vocabulary**: the local sum of its terms, all-reduced (``"terms"``).
 
 Backward recomputes from the caller's logits and the saved O(T) normalisers (nothing ``[T, V_local]``
-is saved but the log-softmax's own output). A sharded output's gradient needs the sum over every
-rank of the upstream gradient (one all-reduce SUM, ``"grad_sum"``), as does the whole-vocabulary
-divergence's (``"grad_sum"``); a replicated output's (gather, a top-k support) needs none: each
-rank's upstream gradient is already the whole loss's.
+is saved but the log-softmax's own output), and works in float32 a chunk at a time: each chunk's
+gradient is written into a buffer in the logits' own dtype (`grad_buffer`), so a bf16 caller never
+holds a float32 gradient of all its logits (NeMo-RL #2872, `memory-logits-dtype`). A sharded
+output's gradient needs the sum over every rank of the upstream gradient (one all-reduce SUM,
+``"grad_sum"``), as does the whole-vocabulary divergence's (``"grad_sum"``); a replicated output's
+(gather, a top-k support) needs none: each rank's upstream gradient is already the whole loss's.
 
 Every concern is a method, so a mutant overrides exactly one (`harness/targets/mutants/distill.py`).
 """
@@ -117,6 +119,11 @@ class FusedDistill:
         return torch.cat(parts) if parts else empty
 
     # ------------------------------------------------------------------ float32 arithmetic
+    def chunk_source(self, logits: torch.Tensor) -> torch.Tensor:
+        """What a forward's chunks read their rows from: the caller's logits as they are, in their
+        dtype, so that float32 exists a chunk at a time (`scaled`), never for all the rows at once."""
+        return logits
+
     def scaled(self, rows: torch.Tensor, temperature: float) -> torch.Tensor:
         """``z = x / temperature`` in float32, never in place (``.float()`` of float32 is the input)."""
         z = rows.to(torch.float32)
@@ -208,34 +215,38 @@ class FusedDistill:
     # ------------------------------------------------------------------ log-softmax (sharded output)
     def log_softmax_forward(self, ctx, logits, group, temperature, chunk_size):
         group, _, _ = self.group_info(group)
-        out = []
+        out, source = [], self.chunk_source(logits)
         for a, b in self.chunk_bounds(logits.shape[0], chunk_size):
-            z = self.scaled(logits[a:b], temperature)
+            z = self.scaled(source[a:b], temperature)
             (lse,) = self.normalisers([z], group)
             out.append(z - lse.unsqueeze(-1))
-        result = self.concat(out, logits.new_zeros(logits.shape, dtype=torch.float32))
+        # The T == 0 answer has zero rows: shaped like the logits, it would be a float32 [T, V_local] every call.
+        result = self.concat(out, logits.new_zeros((0, logits.shape[-1]), dtype=torch.float32))
         ctx.routine, ctx.group, ctx.temperature, ctx.chunk_size = self, group, temperature, chunk_size
         ctx.dtype = logits.dtype
         ctx.save_for_backward(result)
         return result
 
+    def grad_buffer(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The gradient of logits shaped like `like`, in their own `dtype`: every chunk writes its rows."""
+        return torch.empty(like.shape, dtype=dtype, device=like.device)
+
     def log_softmax_backward(self, ctx, grad):
         (out,) = ctx.saved_tensors
-        parts = []
+        grad_logits = self.grad_buffer(out, ctx.dtype)
         for a, b in self.chunk_bounds(out.shape[0], ctx.chunk_size):
             g = grad[a:b].to(torch.float32)
             total = self.reduce_grad_sum(g.sum(dim=-1), ctx.group)  # the loss is every rank's shards' sum
-            parts.append(g - out[a:b].exp() * total.unsqueeze(-1))
-        g = torch.cat(parts) if parts else grad.to(torch.float32)
-        return (g / ctx.temperature).to(ctx.dtype)
+            grad_logits[a:b] = (g - out[a:b].exp() * total.unsqueeze(-1)) / ctx.temperature
+        return grad_logits
 
     # ------------------------------------------------------------------ gather at global ids
     def gather_forward(self, ctx, logits, ids, group, temperature, chunk_size, renormalize):
         group, _, rank = self.group_info(group)
         start = self.shard_start(rank, logits.shape[-1])
-        out, lses = [], []
+        out, lses, source = [], [], self.chunk_source(logits)
         for a, b in self.chunk_bounds(logits.shape[0], chunk_size):
-            z = self.scaled(logits[a:b], temperature)
+            z = self.scaled(source[a:b], temperature)
             rows = self.rows_of(ids, a, b)
             (values,) = self.gather_values([z], rows, start, group)
             if renormalize:
@@ -244,7 +255,7 @@ class FusedDistill:
                 (lse,) = self.normalisers([z], group)
                 lses.append(lse)
                 out.append(values - lse.unsqueeze(-1))
-        result = self.concat(out, logits.new_zeros(ids.shape, dtype=torch.float32))
+        result = self.concat(out, logits.new_zeros((0, ids.shape[-1]), dtype=torch.float32))
         lse = torch.cat(lses) if lses else logits.new_zeros(0, dtype=torch.float32)
         ctx.routine, ctx.temperature, ctx.chunk_size, ctx.renormalize = self, temperature, chunk_size, renormalize
         ctx.start, ctx.dtype = start, logits.dtype
@@ -257,17 +268,18 @@ class FusedDistill:
 
     def gather_backward(self, ctx, grad):
         logits, ids, out, lse = ctx.saved_tensors
-        grad_logits = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        grad_logits = self.grad_buffer(logits, ctx.dtype)
         for a, b in self.chunk_bounds(logits.shape[0], ctx.chunk_size):
             g = grad[a:b].to(torch.float32)
             if ctx.renormalize:  # d log q_j / d z_i over the support: [i == j] - q_i
-                self.scatter_owned(grad_logits[a:b], ids[a:b], g - out[a:b].exp() * g.sum(-1, keepdim=True), ctx.start)
+                part = torch.zeros((b - a, logits.shape[-1]), dtype=torch.float32, device=logits.device)
+                self.scatter_owned(part, ids[a:b], g - out[a:b].exp() * g.sum(-1, keepdim=True), ctx.start)
             else:  # d (z_j - lse) / d z_u = [u == id_j] - p_u
                 z = self.scaled(logits[a:b], ctx.temperature)
-                p = (z - lse[a:b].unsqueeze(-1)).exp()
-                grad_logits[a:b] -= p * g.sum(-1, keepdim=True)
-                self.scatter_owned(grad_logits[a:b], ids[a:b], g, ctx.start)
-        return (grad_logits / ctx.temperature).to(ctx.dtype)
+                part = -((z - lse[a:b].unsqueeze(-1)).exp() * g.sum(-1, keepdim=True))
+                self.scatter_owned(part, ids[a:b], g, ctx.start)
+            grad_logits[a:b] = part / ctx.temperature
+        return grad_logits
 
     def scatter_owned(self, out: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, start: int) -> None:
         """Add `values` at the global ids this shard holds (in place on the routine's own buffer)."""
@@ -281,9 +293,9 @@ class FusedDistill:
         v_local = logits.shape[-1]
         start, vocab = self.shard_start(rank, v_local), v_local * world
         width = min(k, vocab)
-        values, ids = [], []
+        values, ids, source = [], [], self.chunk_source(logits)
         for a, b in self.chunk_bounds(logits.shape[0], chunk_size):
-            z = self.scaled(logits[a:b], temperature)
+            z = self.scaled(source[a:b], temperature)
             top = self.topk_ids(z, k, start, vocab, group)
             (gathered,) = self.gather_values([z], top, start, group)
             (lse,) = self.normalisers([z], group)
@@ -300,9 +312,11 @@ class FusedDistill:
         start = self.shard_start(rank, v_local)
         whole = teacher is not None and k <= 0
         out, lses, supports, on_support = [], [], [], []
+        source_s = self.chunk_source(student)
+        source_t = self.chunk_source(teacher) if teacher is not None else None
         for a, b in self.chunk_bounds(student.shape[0], chunk_size):
-            zs = self.scaled(student[a:b], temperature)
-            zt = self.scaled(teacher[a:b], temperature) if teacher is not None else None
+            zs = self.scaled(source_s[a:b], temperature)
+            zt = self.scaled(source_t[a:b], temperature) if source_t is not None else None
             if whole:
                 assert zt is not None
                 lse_s, lse_t = self.normalisers([zs, zt], group)
@@ -351,9 +365,9 @@ class FusedDistill:
     def divergence_backward(self, ctx, grad):
         student, teacher, sup, logp, lse = ctx.saved_tensors
         want_s, want_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and teacher is not None
-        gs = torch.zeros(student.shape, dtype=torch.float32, device=student.device) if want_s else None
-        gt = torch.zeros(teacher.shape, dtype=torch.float32, device=student.device) \
-            if want_t and teacher is not None else None
+        dtype_s, dtype_t = ctx.dtypes
+        gs = self.grad_buffer(student, dtype_s) if want_s else None
+        gt = self.grad_buffer(teacher, dtype_t) if want_t and teacher is not None else None
         for a, b in self.chunk_bounds(student.shape[0], ctx.chunk_size):
             g = grad[a:b].to(torch.float32).unsqueeze(-1)
             zs = self.scaled(student[a:b], ctx.temperature)
@@ -364,9 +378,9 @@ class FusedDistill:
                 da, db = self.partials(ls, lt, ctx.kind, ctx.beta)
                 sums = self.reduce_grad_sum(torch.stack([da.sum(-1), db.sum(-1)]), ctx.group)
                 if gs is not None:
-                    gs[a:b] = g * (da - ls.exp() * sums[0].unsqueeze(-1))
+                    gs[a:b] = g * (da - ls.exp() * sums[0].unsqueeze(-1)) / ctx.temperature
                 if gt is not None:
-                    gt[a:b] = g * (db - lt.exp() * sums[1].unsqueeze(-1))
+                    gt[a:b] = g * (db - lt.exp() * sums[1].unsqueeze(-1)) / ctx.temperature
                 continue
             ids, ls, lt = sup[a:b], logp[0, a:b], logp[1, a:b]
             da, db = self.partials(ls, lt, ctx.kind, ctx.beta)
@@ -374,13 +388,13 @@ class FusedDistill:
                 if out is None or z is None:
                     continue
                 if ctx.renormalize:  # the support's softmax: d log q_j / d z_i = [i == j] - q_i
-                    self.scatter_owned(out[a:b], ids, g * (d - l.exp() * d.sum(-1, keepdim=True)), ctx.start)
+                    part = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
+                    self.scatter_owned(part, ids, g * (d - l.exp() * d.sum(-1, keepdim=True)), ctx.start)
                 else:  # the whole vocabulary's: d log p_j / d z_u = [u == id_j] - p_u
-                    out[a:b] -= g * (z - row_lse.unsqueeze(-1)).exp() * d.sum(-1, keepdim=True)
-                    self.scatter_owned(out[a:b], ids, g * d, ctx.start)
-        dtype_s, dtype_t = ctx.dtypes
-        return (None if gs is None else (gs / ctx.temperature).to(dtype_s),
-                None if gt is None else (gt / ctx.temperature).to(dtype_t))
+                    part = -(g * (z - row_lse.unsqueeze(-1)).exp() * d.sum(-1, keepdim=True))
+                    self.scatter_owned(part, ids, g * d, ctx.start)
+                out[a:b] = part / ctx.temperature
+        return gs, gt
 
     # ------------------------------------------------------------------ the contract's functions
     def distill_log_softmax(self, logits, tp_group, temperature=1.0, chunk_size=-1):

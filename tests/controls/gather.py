@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from harness.targets.declaration import Declaration
 from tests.controls._common import Call, effective_keep, kernel_entry
 from tests.controls._wrapper import make_wrapper
 
@@ -79,4 +80,4 @@ def _gathered(logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, Optional[
 calculate_log_probs_and_entropy = kernel_entry(_gathered)
 get_log_probs_and_entropy = make_wrapper(calculate_log_probs_and_entropy)
 # The shared wrapper hands bf16 and fp16 logits to the kernel as they are (docs/memory.md).
-HARNESS_CAPABILITIES = {"wrapper_half_precision": True}
+HARNESS = Declaration(capabilities={"wrapper_half_precision": True})

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from megatron.core import parallel_state as mpu
 
-from harness.targets.fused import HARNESS_MEMORY_BUDGET, FusedLogProbEntropy
+from harness.targets.declaration import Declaration
+from harness.targets.fused import HARNESS as FUSED
+from harness.targets.fused import FusedLogProbEntropy
 
-__all__ = ["HARNESS_MEMORY_BUDGET", "calculate_log_probs_and_entropy", "get_log_probs_and_entropy"]
+HARNESS = Declaration(memory_budget=FUSED.memory_budget)
 
 
 class _CPPathRaises(FusedLogProbEntropy):

@@ -4,8 +4,9 @@ a case-making path that ignores a capability shows up as a crash."""
 import torch
 
 from harness.targets import fused
+from harness.targets.declaration import Declaration
 
-HARNESS_CAPABILITIES = {"entropy": False, "keep_mask": False, "context_parallel": False}
+HARNESS = Declaration(capabilities={"entropy": False, "keep_mask": False, "context_parallel": False})
 
 
 def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,

@@ -3,9 +3,11 @@ raises when the logits' rows are not the whole packed sequence (as a wrapper che
 does): at CP > 1 it raises, at CP 1 it runs. `crash` must say so and show the capability line."""
 from __future__ import annotations
 
-from harness.targets.fused import HARNESS_MEMORY_BUDGET, FusedLogProbEntropy
+from harness.targets.declaration import Declaration
+from harness.targets.fused import HARNESS as FUSED
+from harness.targets.fused import FusedLogProbEntropy
 
-__all__ = ["HARNESS_MEMORY_BUDGET", "calculate_log_probs_and_entropy", "get_log_probs_and_entropy"]
+HARNESS = Declaration(memory_budget=FUSED.memory_budget)
 
 
 class _WithoutCP(FusedLogProbEntropy):

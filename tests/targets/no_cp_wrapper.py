@@ -3,9 +3,11 @@ reads the CP rank's rows as if they were the whole sequence. What `crash` must t
 only at CP > 1, and the capability line that declares it) instead of a bare shape error."""
 from __future__ import annotations
 
-from harness.targets.fused import HARNESS_MEMORY_BUDGET, FusedLogProbEntropy
+from harness.targets.declaration import Declaration
+from harness.targets.fused import HARNESS as FUSED
+from harness.targets.fused import FusedLogProbEntropy
 
-__all__ = ["HARNESS_MEMORY_BUDGET", "calculate_log_probs_and_entropy", "get_log_probs_and_entropy"]
+HARNESS = Declaration(memory_budget=FUSED.memory_budget)
 
 
 class _WithoutCP(FusedLogProbEntropy):

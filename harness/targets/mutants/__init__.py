@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable
 
+from harness.base import levels
 from harness.base.errors import TargetError
-from harness.targets import DISTILL, KERNEL, LINEAR, WRAPPER, fused
-
-ENTRY_POINTS = {"kernel": KERNEL, "wrapper": WRAPPER, "linear": LINEAR}  # level -> the routine's method
+from harness.targets import fused
 
 
 @dataclass(frozen=True)
@@ -65,8 +64,7 @@ def mutant_namespace(name: str) -> SimpleNamespace:
     if entry is None:
         raise TargetError(f"unknown mutant {name!r}; `python -m harness mutate --list` lists them")
     routine = entry.routine()
-    names = [n for lvl in entry.levels for n in (DISTILL.values() if lvl == "distill" else (ENTRY_POINTS[lvl],))]
+    names = [c.name for lvl in entry.levels for c in levels.get(lvl).contracts.values()]
     functions = {n: getattr(routine, n) for n in names}
     # A mutant is held to the built-in routine's declared budget: exceeding it is a defect too.
-    return SimpleNamespace(**functions, HARNESS_MEMORY_BUDGET=fused.HARNESS_MEMORY_BUDGET,
-                           HARNESS_CAPABILITIES=fused.HARNESS_CAPABILITIES)
+    return SimpleNamespace(**functions, HARNESS=fused.HARNESS)

@@ -86,6 +86,17 @@ class MaskedShardSkipsSum(FusedDistill):
         return super().normalisers(zs, group)
 
 
+@mutant("distill-logits-float32-before-chunks", "the whole logits cast to float32 in front of the chunked top-k, "
+        "divergence, gather and log-softmax, the copy freed when the forward returns", ("memory-logits-dtype",),
+        "NeMo-RL #2872 (a caller's .to(torch.float32) of the whole logits in front of the chunked routine)",
+        levels=DISTILL)
+class LogitsFloat32BeforeChunks(FusedDistill):
+    def chunk_source(self, logits):
+        # "One cast, then cheap chunks": the same values, and a float32 copy of all the rows at the
+        # forward's peak. The backward still recomputes from the caller's logits, in their dtype.
+        return logits.float()
+
+
 @mutant("distill-temperature-student-only", "the teacher's logits not divided by the temperature",
         ("divergence-self-zero", "values"), levels=DISTILL)
 class TemperatureStudentOnly(FusedDistill):

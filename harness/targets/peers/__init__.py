@@ -1,7 +1,8 @@
 """Adapters for the field's routines: each module maps one peer's functions onto the contract.
 
-An adapter is a target module like any other (`--target harness.targets.peers.NAME`) plus a
-`HARNESS_PEER` dict that says where the peer comes from:
+An adapter is a target module like any other (`--target harness.targets.peers.NAME`) whose
+declaration (`harness.targets.declaration`) also says where the peer comes from,
+`HARNESS = Declaration(..., peer=PeerInfo(...))`:
 
 - `requires`: the importable modules it needs (the adapter is "not installed" without them);
 - `install`: the command that installs them;
@@ -31,8 +32,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.base.errors import TargetError
 from harness.cases.profiles import DEFAULT_PROFILE
 from harness.targets import load_target
+from harness.targets.declaration import declaration_of
 from harness.targets.peers._source import PeerSource
 
 
@@ -199,7 +202,7 @@ def absent_here(spec: str) -> str | None:
     `harness history` marks the commit untestable) instead of reporting every case as the adapter's
     import error. Adapters that import inside their calls rely on it."""
     module = sys.modules.get(spec)
-    meta = getattr(module, "HARNESS_PEER", None)
+    meta = declaration_of(module).peer if module is not None else None
     if meta is None or isinstance(getattr(module, "SOURCE", None), PeerSource):
         return None  # an adapter that loads its routine's own file finds it, or says why, itself
     missing = _missing(meta["requires"])
@@ -231,7 +234,9 @@ def peers() -> list[Peer]:
             continue  # shared helpers, not peers
         spec = f"{__name__}.{info.name}"
         module = importlib.import_module(spec)
-        meta = module.HARNESS_PEER
+        meta = declaration_of(module).peer
+        if meta is None:
+            raise TargetError(f"{spec} is in the peers' package but declares no peer: HARNESS = Declaration(peer=...)")
         target = load_target(spec)
         out.append(Peer(info.name, spec, tuple(meta["requires"]), meta["install"], tuple(meta["upstream"]),
                         " ".join((module.__doc__ or "").strip().split("\n\n")[0].split()), not target.supports("cpu"),

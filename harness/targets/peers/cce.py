@@ -22,15 +22,18 @@ from __future__ import annotations
 
 import torch
 
+from harness.targets.declaration import Declaration, PeerInfo
 from harness.targets.peers._mpu import gather_vocab
 
 # torch.compile(fullgraph=True) raises under a Python dispatch mode: the memory meter stays off.
-HARNESS_CAPABILITIES = {"entropy": False, "eager": False, "tensor_parallel": False}
-HARNESS_PEER = dict(requires=("cut_cross_entropy",), install="pip install cut-cross-entropy",
-                    upstream=("cut_cross_entropy.linear_cross_entropy (impl='torch_compile')",), profile="smoke")
-# A library: no trainer of its own calls it here, so nothing is declared beyond its use (every case
-# drawn is taken as in its use; a trainer that adopts it declares its own).
-HARNESS_USE: list = []
+HARNESS = Declaration(
+    capabilities={"entropy": False, "eager": False, "tensor_parallel": False},
+    peer=PeerInfo(requires=("cut_cross_entropy",), install="pip install cut-cross-entropy",
+                  upstream=("cut_cross_entropy.linear_cross_entropy (impl='torch_compile')",), profile="smoke"),
+    # A library: no trainer of its own calls it here, so nothing is declared beyond its use (every case
+    # drawn is taken as in its use; a trainer that adopts it declares its own).
+    use=[],
+)
 
 
 def calculate_linear_log_probs_and_entropy(hidden, weight, tokens, tp_group, with_entropy=False, chunk_size=-1,

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import torch
 
-HARNESS_CAPABILITIES = {"entropy": False, "keep_mask": False, "cpu": False}
-HARNESS_PEER = dict(requires=("liger_kernel", "triton"), install="pip install liger-kernel",
-                    upstream=("liger_kernel.transformers.LigerVocabParallelCrossEntropy",))
-# A library: no trainer of its own calls it here, so nothing is declared beyond its use (every case
-# drawn is taken as in its use; a trainer that adopts it declares its own).
-HARNESS_USE: list = []
+from harness.targets.declaration import Declaration, PeerInfo
+
+HARNESS = Declaration(
+    capabilities={"entropy": False, "keep_mask": False, "cpu": False},
+    peer=PeerInfo(requires=("liger_kernel", "triton"), install="pip install liger-kernel",
+                  upstream=("liger_kernel.transformers.LigerVocabParallelCrossEntropy",)),
+    # A library: no trainer of its own calls it here, so nothing is declared beyond its use (every case
+    # drawn is taken as in its use; a trainer that adopts it declares its own).
+    use=[],
+)
 
 
 def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,

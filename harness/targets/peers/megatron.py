@@ -18,25 +18,28 @@ from __future__ import annotations
 
 import torch
 
+from harness.targets.declaration import Declaration, PeerInfo
 from harness.targets.peers._mpu import parallel_state_group
 
-HARNESS_CAPABILITIES = {"entropy": False, "keep_mask": False}
-HARNESS_PEER = dict(requires=("megatron.core",), install="pip install megatron-core (a harness dependency)",
-                    upstream=("megatron.core.tensor_parallel.vocab_parallel_cross_entropy",))
-# What megatron-core's own caller makes: GPTModel computes its loss with it on the output layer's
-# logits (`megatron/core/models/gpt/gpt_model.py:714`, through `compute_language_model_loss`,
-# megatron/core/models/common/language_module/language_module.py:128-171, megatron-core 0.16.1). The
-# harness's cases beyond it are findings beyond its use (harness.checks.use).
-HARNESS_USE = [
-    {"where": {"context": ["accumulate", "two_calls", "two_inputs"]},
-     "why": "megatron/core/models/gpt/gpt_model.py:714: one call on each forward's own logits; no second call or second backward reaches the "
-            "same logits tensor"},
-    {"where": {}, "check": "input-integrity",
-     "why": "megatron/core/models/gpt/gpt_model.py:714-716: the logits go into the loss and GPTModel returns the loss; nothing reads the logits "
-            "again, so what the call writes into them is never used"},
-    {"where": {"T": 0},
-     "why": "megatron/core/models/gpt/gpt_model.py:714: the logits of a micro-batch of `seq_length` positions: never empty"},
-]
+HARNESS = Declaration(
+    capabilities={"entropy": False, "keep_mask": False},
+    peer=PeerInfo(requires=("megatron.core",), install="pip install megatron-core (a harness dependency)",
+                  upstream=("megatron.core.tensor_parallel.vocab_parallel_cross_entropy",)),
+    # What megatron-core's own caller makes: GPTModel computes its loss with it on the output layer's
+    # logits (`megatron/core/models/gpt/gpt_model.py:714`, through `compute_language_model_loss`,
+    # megatron/core/models/common/language_module/language_module.py:128-171, megatron-core 0.16.1). The
+    # harness's cases beyond it are findings beyond its use (harness.checks.use).
+    use=[
+        {"where": {"context": ["accumulate", "two_calls", "two_inputs"]},
+         "why": "megatron/core/models/gpt/gpt_model.py:714: one call on each forward's own logits; no second call or second backward reaches the "
+                "same logits tensor"},
+        {"where": {}, "check": "input-integrity",
+         "why": "megatron/core/models/gpt/gpt_model.py:714-716: the logits go into the loss and GPTModel returns the loss; nothing reads the logits "
+                "again, so what the call writes into them is never used"},
+        {"where": {"T": 0},
+         "why": "megatron/core/models/gpt/gpt_model.py:714: the logits of a micro-batch of `seq_length` positions: never empty"},
+    ],
+)
 
 
 def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,

@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import torch
 
+from harness.targets.declaration import Declaration, PeerInfo
 from harness.targets.peers import megatron as unfused
 
-HARNESS_CAPABILITIES = {"entropy": False, "keep_mask": False, "eager": False}
-HARNESS_PEER = dict(requires=("megatron.core",), install="pip install megatron-core (a harness dependency)",
-                    upstream=("megatron.core.fusions.fused_cross_entropy.fused_vocab_parallel_cross_entropy",),
-                    profile="smoke")
-# What megatron-core's own caller makes: GPTModel's loss on the output layer's logits, as for the
-# unfused cross entropy (the `megatron` adapter), under `cross_entropy_loss_fusion`.
-HARNESS_USE = unfused.HARNESS_USE
+HARNESS = Declaration(
+    capabilities={"entropy": False, "keep_mask": False, "eager": False},
+    peer=PeerInfo(requires=("megatron.core",), install="pip install megatron-core (a harness dependency)",
+                  upstream=("megatron.core.fusions.fused_cross_entropy.fused_vocab_parallel_cross_entropy",),
+                  profile="smoke"),
+    # What megatron-core's own caller makes: GPTModel's loss on the output layer's logits, as for the
+    # unfused cross entropy (the `megatron` adapter), under `cross_entropy_loss_fusion`.
+    use=unfused.HARNESS.use,
+)
 
 
 def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,

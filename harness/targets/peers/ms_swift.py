@@ -17,8 +17,11 @@ and `megatron.core.mpu` only, so nothing is stubbed.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from harness.targets.declaration import Declaration, PeerInfo
 from harness.targets.peers._mpu import FLOAT16_OUTPUT_FP32, GPT_LOGITS_CONTIGUOUS, NONCONTIGUOUS, parallel_state_group
 from harness.targets.peers._source import PeerSource, missing
 
@@ -26,34 +29,36 @@ HOW = ("git clone https://github.com/modelscope/ms-swift && export PYTHONPATH=$P
        "(vocab_parallel_utils.py needs torch and megatron-core only)")
 SOURCE = PeerSource("ms-swift", files=("swift/megatron/trainers/vocab_parallel_utils.py",),
                     markers=("swift/megatron",), how=HOW)
-HARNESS_CAPABILITIES = {"keep_mask": False, "metric_only_entropy": False}
-HARNESS_PEER = dict(requires=("megatron.core", "swift"), install=HOW, upstream=(
-    "swift.megatron.trainers.vocab_parallel_utils.compute_logps_and_entropy_from_logits",))
-# What ms-swift's own callers make (its Megatron GRPO trainer, `swift/megatron/trainers/grpo_trainer.py`,
-# and the log-probs of `swift/megatron/trainers/utils.py:449`); the harness's cases beyond it are
-# findings beyond its use (harness.checks.use).
-HARNESS_USE = [
-    {"where": {}, "check": ["gradients", "tp-invariance", "chunk-invariance", "finite"], "term": "entropy",
-     "why": "swift/megatron/trainers/grpo_trainer.py:1079-1106: the entropy is a logged metric and, through "
-            "`entropies >= entropy_threshold`, a token mask; the GRPO loss never differentiates it"},
-    {"where": {"regime": "neginf"},
-     "why": "swift/megatron/trainers/grpo_trainer.py:899-906 (and utils.py:445-449): the logits are the model's "
-            "output, divided by the temperature; nothing masks them to -inf"},
-    {"where": {"T": 0},
-     "why": "swift/megatron/trainers/grpo_trainer.py:892-906: the logits are those of a micro-batch of encoded "
-            "samples, each with its prompt tokens: never empty"},
-    {"where": {"dtype": ["bf16", "fp16"]},
-     "why": "swift/megatron/utils/megatron_lm_utils.py:521 wraps the model in Float16Module: "
-            f"{FLOAT16_OUTPUT_FP32}, so the logits reach this routine in float32"},
-    {"where": {"layout": NONCONTIGUOUS},
-     "why": f"swift/megatron/trainers/grpo_trainer.py:899: the logits are the model's output; {GPT_LOGITS_CONTIGUOUS}"},
-    {"where": {"context": ["accumulate", "two_calls", "two_inputs"]},
-     "why": "swift/megatron/trainers/grpo_trainer.py:899-906: one call on each micro-batch's own model output; no "
-            "second call or second backward reaches the same logits tensor"},
-    {"where": {}, "check": "input-integrity",
-     "why": "swift/megatron/trainers/grpo_trainer.py:899-906 (and utils.py:445-449): the logits are read by this "
-            "call only; what it leaves in them is never read again"},
-]
+HARNESS = Declaration(
+    capabilities={"keep_mask": False, "metric_only_entropy": False},
+    peer=PeerInfo(requires=("megatron.core", "swift"), install=HOW, upstream=(
+        "swift.megatron.trainers.vocab_parallel_utils.compute_logps_and_entropy_from_logits",)),
+    # What ms-swift's own callers make (its Megatron GRPO trainer, `swift/megatron/trainers/grpo_trainer.py`,
+    # and the log-probs of `swift/megatron/trainers/utils.py:449`); the harness's cases beyond it are
+    # findings beyond its use (harness.checks.use).
+    use=[
+        {"where": {}, "check": ["gradients", "tp-invariance", "chunk-invariance", "finite"], "term": "entropy",
+         "why": "swift/megatron/trainers/grpo_trainer.py:1079-1106: the entropy is a logged metric and, through "
+                "`entropies >= entropy_threshold`, a token mask; the GRPO loss never differentiates it"},
+        {"where": {"regime": "neginf"},
+         "why": "swift/megatron/trainers/grpo_trainer.py:899-906 (and utils.py:445-449): the logits are the model's "
+                "output, divided by the temperature; nothing masks them to -inf"},
+        {"where": {"T": 0},
+         "why": "swift/megatron/trainers/grpo_trainer.py:892-906: the logits are those of a micro-batch of encoded "
+                "samples, each with its prompt tokens: never empty"},
+        {"where": {"dtype": ["bf16", "fp16"]},
+         "why": "swift/megatron/utils/megatron_lm_utils.py:521 wraps the model in Float16Module: "
+                f"{FLOAT16_OUTPUT_FP32}, so the logits reach this routine in float32"},
+        {"where": {"layout": NONCONTIGUOUS},
+         "why": f"swift/megatron/trainers/grpo_trainer.py:899: the logits are the model's output; {GPT_LOGITS_CONTIGUOUS}"},
+        {"where": {"context": ["accumulate", "two_calls", "two_inputs"]},
+         "why": "swift/megatron/trainers/grpo_trainer.py:899-906: one call on each micro-batch's own model output; no "
+                "second call or second backward reaches the same logits tensor"},
+        {"where": {}, "check": "input-integrity",
+         "why": "swift/megatron/trainers/grpo_trainer.py:899-906 (and utils.py:445-449): the logits are read by this "
+                "call only; what it leaves in them is never read again"},
+    ],
+)
 
 _VP = SOURCE.load()  # None without ms-swift's tree on sys.path; RoutineMissing when this commit lacks the file
 if _VP is not None:
@@ -73,8 +78,8 @@ def swift_kernel(vp, logits, tokens, with_entropy=False, chunk_size=-1):
 
 
 # `harness repro --script`: the files the call needs from ms-swift's tree, and the call itself.
-HARNESS_SCRIPT = {"name": "ms-swift", "files": {"vp": SOURCE.files}, "kernel": swift_kernel, "megatron": True,
-                  "how": HOW}
+HARNESS = dataclasses.replace(HARNESS, script={"name": "ms-swift", "files": {"vp": SOURCE.files}, "kernel": swift_kernel,
+                                               "megatron": True, "how": HOW})
 
 
 def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,

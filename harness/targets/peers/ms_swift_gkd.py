@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from harness.targets.declaration import Declaration, PeerInfo
 from harness.targets.peers._mpu import parallel_state_group
 from harness.targets.peers._source import PeerSource, missing
 
@@ -44,20 +45,22 @@ VOCAB = PeerSource("ms-swift-vocab-parallel", files=("swift/megatron/trainers/vo
                    markers=_MARKERS, how=HOW)
 UTILS = PeerSource("ms-swift-gkd-utils", files=("swift/megatron/trainers/gkd_utils.py",), markers=_MARKERS, how=HOW)
 LOSS = PeerSource("ms-swift-gkd-loss", files=("swift/rlhf_trainers/gkd_loss.py",), markers=_MARKERS, how=HOW)
-HARNESS_CAPABILITIES = {"mixed": False, "soft_ce": False, "unnormalized": False}
-HARNESS_PEER = dict(requires=("megatron.core", "swift"), install=HOW, upstream=(
-    "swift.rlhf_trainers.gkd_loss.gkd_loss",
-    "swift.megatron.trainers.vocab_parallel_utils.vocab_parallel_log_softmax",
-    "swift.megatron.trainers.vocab_parallel_utils.vocab_parallel_kl_div",
-    "swift.megatron.trainers.gkd_utils.vocab_parallel_topk",
-    "swift.megatron.trainers.gkd_utils.tp_gather_topk"))
-HARNESS_USE = [
-    {"where": {"teacher_grad": True},
-     "why": "the teacher's logits are a no_grad forward's, detached: swift/megatron/trainers/gkd_trainer.py:259-260"},
-    {"where": {"regime": "neginf", "teacher": ["full", "topk"]},
-     "why": "the student's and a local teacher's logits are the models' raw outputs, never -inf: "
-            "swift/megatron/trainers/gkd_trainer.py:258 (teacher), 420 (student)"},
-]
+HARNESS = Declaration(
+    capabilities={"mixed": False, "soft_ce": False, "unnormalized": False},
+    peer=PeerInfo(requires=("megatron.core", "swift"), install=HOW, upstream=(
+        "swift.rlhf_trainers.gkd_loss.gkd_loss",
+        "swift.megatron.trainers.vocab_parallel_utils.vocab_parallel_log_softmax",
+        "swift.megatron.trainers.vocab_parallel_utils.vocab_parallel_kl_div",
+        "swift.megatron.trainers.gkd_utils.vocab_parallel_topk",
+        "swift.megatron.trainers.gkd_utils.tp_gather_topk")),
+    use=[
+        {"where": {"teacher_grad": True},
+         "why": "the teacher's logits are a no_grad forward's, detached: swift/megatron/trainers/gkd_trainer.py:259-260"},
+        {"where": {"regime": "neginf", "teacher": ["full", "topk"]},
+         "why": "the student's and a local teacher's logits are the models' raw outputs, never -inf: "
+                "swift/megatron/trainers/gkd_trainer.py:258 (teacher), 420 (student)"},
+    ],
+)
 
 _VP, _GU, _GL = VOCAB.load(), UTILS.load(), LOSS.load()
 if _VP is not None and _GU is not None and _GL is not None:

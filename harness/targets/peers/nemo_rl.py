@@ -38,31 +38,34 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from harness.targets.declaration import Declaration, PeerInfo
 from harness.targets.peers import defines
 from harness.targets.peers._mpu import GPT_LOGITS_CONTIGUOUS, NONCONTIGUOUS, parallel_state_group
 
 # Its CP backward moves an index to CUDA (`AllGatherCPTensor.backward`): on CPU its CP cases run
 # without autograd, which checks the CP forward on both paths (docs/peers.md).
 # Its trainer hands the packed log-probs bf16 logits when it chunks (`nemo_rl/algorithms/loss/utils.py`).
-HARNESS_CAPABILITIES = {"entropy": False, "keep_mask": False, "allgather_cp": False, "cp_gradient": {"cpu": False},
-                        "wrapper_half_precision": True}
-HARNESS_PEER = dict(
-    requires=("nemo_rl.distributed.model_utils",),
-    install="put a NeMo-RL source tree on PYTHONPATH: git clone https://github.com/NVIDIA-NeMo/RL nemo-rl "
-            "&& export PYTHONPATH=$PWD/nemo-rl:$PYTHONPATH (torch alone runs its model_utils on CPU)",
-    upstream=("nemo_rl.distributed.model_utils.from_parallel_logits_to_logprobs_packed_sequences",
-              "nemo_rl.distributed.model_utils.DistributedLogprob",
-              "nemo_rl.distributed.model_utils.ChunkedDistributedLogprob"))
-# What NeMo-RL's own caller makes: its Megatron trainer's log-prob processor (`nemo_rl/models/megatron/train.py:631-665`)
-# hands these functions the model's output as it comes. The harness's cases beyond it are
-# findings beyond its use (harness.checks.use).
-HARNESS_USE = [
-    {"where": {"layout": NONCONTIGUOUS},
-     "why": f"nemo_rl/models/megatron/train.py:640-666: `output_tensor` is the model's output, passed as it comes; {GPT_LOGITS_CONTIGUOUS}"},
-    {"where": {"T": 0},
-     "why": "nemo_rl/models/megatron/train.py:628-629: the logits span the micro-batch's padded sequence length (`input_ids.shape[1]`), "
-            "at least its longest sample: never empty"},
-]
+HARNESS = Declaration(
+    capabilities={"entropy": False, "keep_mask": False, "allgather_cp": False, "cp_gradient": {"cpu": False},
+                  "wrapper_half_precision": True},
+    peer=PeerInfo(
+        requires=("nemo_rl.distributed.model_utils",),
+        install="put a NeMo-RL source tree on PYTHONPATH: git clone https://github.com/NVIDIA-NeMo/RL nemo-rl "
+                "&& export PYTHONPATH=$PWD/nemo-rl:$PYTHONPATH (torch alone runs its model_utils on CPU)",
+        upstream=("nemo_rl.distributed.model_utils.from_parallel_logits_to_logprobs_packed_sequences",
+                  "nemo_rl.distributed.model_utils.DistributedLogprob",
+                  "nemo_rl.distributed.model_utils.ChunkedDistributedLogprob")),
+    # What NeMo-RL's own caller makes: its Megatron trainer's log-prob processor (`nemo_rl/models/megatron/train.py:631-665`)
+    # hands these functions the model's output as it comes. The harness's cases beyond it are
+    # findings beyond its use (harness.checks.use).
+    use=[
+        {"where": {"layout": NONCONTIGUOUS},
+         "why": f"nemo_rl/models/megatron/train.py:640-666: `output_tensor` is the model's output, passed as it comes; {GPT_LOGITS_CONTIGUOUS}"},
+        {"where": {"T": 0},
+         "why": "nemo_rl/models/megatron/train.py:628-629: the logits span the micro-batch's padded sequence length (`input_ids.shape[1]`), "
+                "at least its longest sample: never empty"},
+    ],
+)
 # NeMo-RL's log-softmax calls torch.distributed.nn.functional.all_reduce, which torch 2.13 deprecates
 # once per process: a notice about torch's API, not a finding, and not the check's output.
 warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_reduce is deprecated",

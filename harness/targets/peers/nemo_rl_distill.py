@@ -48,31 +48,34 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness.targets.declaration import Declaration, PeerInfo
 from harness.targets.peers import defines
 from harness.targets.peers._source import PeerSource, missing
 
 HOW = ("git clone https://github.com/NVIDIA-NeMo/RL nemo-rl && export PYTHONPATH=$PWD/nemo-rl:$PYTHONPATH "
        "(torch alone runs its model_utils and its distillation loss on CPU)")
-HARNESS_CAPABILITIES = {"full_teacher": False, "topk_teacher": False, "jsd": False, "soft_ce": False,
-                        "temperature": False, "teacher_grad": False}
-HARNESS_PEER = dict(
-    requires=("nemo_rl.distributed.model_utils",), install=HOW,
-    upstream=("nemo_rl.distributed.model_utils.get_distillation_topk_logprobs_from_logits",
-              "nemo_rl.distributed.model_utils.distributed_vocab_topk",
-              "nemo_rl.distributed.model_utils.vocab_parallel_log_softmax",
-              "nemo_rl.algorithms.loss.loss_functions.DistillationLossFn"))
-# Cases NeMo-RL's own callers never make (the `where` of known files, docs/known-findings.md).
-HARNESS_USE = [
-    {"where": {"regime": "neginf"},
-     "why": "the student's and the teacher's logits are the models' raw outputs, never -inf: "
-            "nemo_rl/models/megatron/train.py:726 (teacher), nemo_rl/algorithms/loss/utils.py:125 (student)"},
-    {"where": {"function": "topk", "T": 0},
-     "why": "the teacher's pass top-ks a microbatch's sequences, never an empty one: "
-            "nemo_rl/models/megatron/train.py:726"},
-    {"where": {"function": "divergence", "renormalize": False, "kind": ["reverse_kl", "mixed"]},
-     "why": "zero_outside_topk is false in the shipped distillation configs: "
-            "examples/configs/distillation_math.yaml:19"},
-]
+HARNESS = Declaration(
+    capabilities={"full_teacher": False, "topk_teacher": False, "jsd": False, "soft_ce": False,
+                  "temperature": False, "teacher_grad": False},
+    peer=PeerInfo(
+        requires=("nemo_rl.distributed.model_utils",), install=HOW,
+        upstream=("nemo_rl.distributed.model_utils.get_distillation_topk_logprobs_from_logits",
+                  "nemo_rl.distributed.model_utils.distributed_vocab_topk",
+                  "nemo_rl.distributed.model_utils.vocab_parallel_log_softmax",
+                  "nemo_rl.algorithms.loss.loss_functions.DistillationLossFn")),
+    # Cases NeMo-RL's own callers never make (the `where` of known files, docs/known-findings.md).
+    use=[
+        {"where": {"regime": "neginf"},
+         "why": "the student's and the teacher's logits are the models' raw outputs, never -inf: "
+                "nemo_rl/models/megatron/train.py:726 (teacher), nemo_rl/algorithms/loss/utils.py:125 (student)"},
+        {"where": {"function": "topk", "T": 0},
+         "why": "the teacher's pass top-ks a microbatch's sequences, never an empty one: "
+                "nemo_rl/models/megatron/train.py:726"},
+        {"where": {"function": "divergence", "renormalize": False, "kind": ["reverse_kl", "mixed"]},
+         "why": "zero_outside_topk is false in the shipped distillation configs: "
+                "examples/configs/distillation_math.yaml:19"},
+    ],
+)
 
 _LOSS_FILE = "nemo_rl/algorithms/loss/loss_functions.py"
 _MARKERS = ("nemo_rl/distributed",)

@@ -16,18 +16,20 @@ from __future__ import annotations
 
 import torch
 
+from harness.targets.declaration import Declaration, PeerInfo
 from harness.targets.peers import nemo_rl as packed
 from harness.targets.peers._mpu import parallel_state_group
 
-HARNESS_CAPABILITIES = packed.HARNESS_CAPABILITIES
-
-HARNESS_PEER = dict(
-    requires=("nemo_rl.distributed.model_utils",),
-    install="put a NeMo-RL source tree on PYTHONPATH: git clone https://github.com/NVIDIA-NeMo/RL nemo-rl "
-            "&& export PYTHONPATH=$PWD/nemo-rl:$PYTHONPATH (torch alone runs its model_utils on CPU)",
-    upstream=("nemo_rl.distributed.model_utils.from_parallel_logits_to_logprobs",), profile="smoke")
-# NeMo-RL's Megatron trainer hands this function the model's output as it hands it to `nemo_rl`'s.
-HARNESS_USE = packed.HARNESS_USE
+HARNESS = Declaration(
+    capabilities=packed.HARNESS.capabilities,
+    peer=PeerInfo(
+        requires=("nemo_rl.distributed.model_utils",),
+        install="put a NeMo-RL source tree on PYTHONPATH: git clone https://github.com/NVIDIA-NeMo/RL nemo-rl "
+                "&& export PYTHONPATH=$PWD/nemo-rl:$PYTHONPATH (torch alone runs its model_utils on CPU)",
+        upstream=("nemo_rl.distributed.model_utils.from_parallel_logits_to_logprobs",), profile="smoke"),
+    # NeMo-RL's Megatron trainer hands this function the model's output as it hands it to `nemo_rl`'s.
+    use=packed.HARNESS.use,
+)
 
 
 def _per_sequence_rows(x: torch.Tensor, tokens: list[torch.Tensor], lengths: list[int], padded: list[int],

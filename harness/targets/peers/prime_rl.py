@@ -28,6 +28,7 @@ import inspect
 
 import torch
 
+from harness.targets.declaration import Declaration, PeerInfo
 from harness.targets.peers._mpu import gather_vocab
 from harness.targets.peers._source import PeerSource, missing
 
@@ -44,15 +45,17 @@ SOURCE = PeerSource("prime-rl", files=("prime_rl/trainer/models/layers/lm_head.p
                     markers=("prime_rl/trainer", "src/prime_rl/trainer"), how=HOW,
                     stubs={"prime_rl.utils.logger": {"get_logger": _unused},
                            "prime_rl.utils.vlm": {"get_final_logit_softcapping": _unused}})
-HARNESS_CAPABILITIES = {"keep_mask": False, "tensor_parallel": False}
-HARNESS_PEER = dict(requires=("prime_rl",), install=HOW,
-                    upstream=("prime_rl.trainer.models.layers.lm_head.FusedOutputLinear",))
-# What prime-rl's own caller makes: its RL trainer logs the entropy and never differentiates it.
-HARNESS_USE = [
-    {"where": {"with_entropy": 1, "with_entropy_grad": 1}, "check": "crash",
-     "why": "src/prime_rl/trainer/rl/train.py:483 detaches the entropy into a metric, and prime-rl's losses "
-            "never put it in the loss (its backward asserts so: src/prime_rl/trainer/models/layers/lm_head.py:161)"},
-]
+HARNESS = Declaration(
+    capabilities={"keep_mask": False, "tensor_parallel": False},
+    peer=PeerInfo(requires=("prime_rl",), install=HOW,
+                  upstream=("prime_rl.trainer.models.layers.lm_head.FusedOutputLinear",)),
+    # What prime-rl's own caller makes: its RL trainer logs the entropy and never differentiates it.
+    use=[
+        {"where": {"with_entropy": 1, "with_entropy_grad": 1}, "check": "crash",
+         "why": "src/prime_rl/trainer/rl/train.py:483 detaches the entropy into a metric, and prime-rl's losses "
+                "never put it in the loss (its backward asserts so: src/prime_rl/trainer/models/layers/lm_head.py:161)"},
+    ],
+)
 
 _LM = SOURCE.load()  # None without prime-rl's tree on sys.path; RoutineMissing when this commit lacks it
 if _LM is not None:

@@ -27,6 +27,7 @@ import inspect
 import torch
 import torch.distributed as dist
 
+from harness.targets.declaration import Declaration, PeerInfo
 from harness.targets.peers._mpu import GPT_LOGITS_CONTIGUOUS, parallel_state_group
 from harness.targets.peers._source import PeerSource, missing
 
@@ -35,21 +36,23 @@ HOW = ("git clone https://github.com/NovaSky-AI/SkyRL && export PYTHONPATH=$PWD/
 SOURCE = PeerSource("SkyRL", files=("skyrl/backends/skyrl_train/distributed/megatron/model_utils.py",
                                     "skyrl-train/skyrl_train/distributed/megatron/model_utils.py"),
                     markers=("skyrl/backends", "skyrl-train/skyrl_train"), how=HOW)
-HARNESS_CAPABILITIES = {"keep_mask": False, "metric_only_entropy": False}
-HARNESS_PEER = dict(requires=("megatron.core", "skyrl"), install=HOW, upstream=(
-    "skyrl.backends.skyrl_train.distributed.megatron.model_utils.DistributedLogprob",
-    "skyrl.backends.skyrl_train.distributed.megatron.model_utils.ChunkedDistributedLogprob",
-    "skyrl.backends.skyrl_train.distributed.megatron.model_utils.vocab_parallel_entropy"))
-# What SkyRL's own caller makes (its Megatron worker's loss, `skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py`); the harness's
-# cases beyond it are findings beyond its use (harness.checks.use).
-HARNESS_USE = [
-    {"where": {"regime": "neginf"},
-     "why": "skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py:644-646, 696, 893-894: the log-probs and the entropy are computed from the model's logits "
-            "(divided by the temperature); nothing masks them to -inf"},
-    {"where": {"layout": "transposed"},
-     "why": f"skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py:696-697: the log-probs get the model's logits as they come, and the entropy a row slice of "
-            f"them (:893); {GPT_LOGITS_CONTIGUOUS}: never a transposed view"},
-]
+HARNESS = Declaration(
+    capabilities={"keep_mask": False, "metric_only_entropy": False},
+    peer=PeerInfo(requires=("megatron.core", "skyrl"), install=HOW, upstream=(
+        "skyrl.backends.skyrl_train.distributed.megatron.model_utils.DistributedLogprob",
+        "skyrl.backends.skyrl_train.distributed.megatron.model_utils.ChunkedDistributedLogprob",
+        "skyrl.backends.skyrl_train.distributed.megatron.model_utils.vocab_parallel_entropy")),
+    # What SkyRL's own caller makes (its Megatron worker's loss, `skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py`); the harness's
+    # cases beyond it are findings beyond its use (harness.checks.use).
+    use=[
+        {"where": {"regime": "neginf"},
+         "why": "skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py:644-646, 696, 893-894: the log-probs and the entropy are computed from the model's logits "
+                "(divided by the temperature); nothing masks them to -inf"},
+        {"where": {"layout": "transposed"},
+         "why": f"skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py:696-697: the log-probs get the model's logits as they come, and the entropy a row slice of "
+                f"them (:893); {GPT_LOGITS_CONTIGUOUS}: never a transposed view"},
+    ],
+)
 
 _MU = SOURCE.load()  # None without SkyRL's tree on sys.path; RoutineMissing when this commit lacks the file
 if _MU is not None:

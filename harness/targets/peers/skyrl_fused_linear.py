@@ -24,28 +24,33 @@ checked here. Commits before SkyRL #1841 have no fused routine: the adapter refu
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from harness.targets.declaration import Declaration, PeerInfo
 from harness.targets.peers._source import missing
 from harness.targets.peers.skyrl import _MU, HOW, SOURCE, _group, _mu
 
-HARNESS_CAPABILITIES = {"entropy": False, "keep_mask": False, "metric_only_entropy": False}
-HARNESS_PEER = dict(requires=("megatron.core", "skyrl"), install=HOW, upstream=(
-    "skyrl.backends.skyrl_train.distributed.megatron.model_utils.FusedLinearChunkedDistributedLogprob",))
-# What SkyRL's own caller makes: the fused path
-# (`skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py:664-676`) hands over the decoder's hidden states and the output layer's weight (:164). Under LoRA the
-# pre-wrap hook freezes every base parameter, the LM head included (a frozen head: in use), and
-# the adapters train in the decoder layers, so the hidden states always require grad.
-HARNESS_USE = [
-    {"where": {"frozen": "hidden"},
-     "why": "skyrl/backends/skyrl_train/workers/megatron/adapter_store.py:44-50: under LoRA only the adapters of "
-            "the decoder layers train (the base parameters, the LM head among them, are frozen), so the hidden "
-            "states the fused head gets require grad; without LoRA every parameter trains: a frozen trunk under "
-            "a trained head never happens"},
-    {"where": {"T": 0},
-     "why": "skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py:666-668: the hidden states are "
-            "those of a micro-batch's `[B, S]` sequences, padding included: never empty"},
-]
+HARNESS = Declaration(
+    capabilities={"entropy": False, "keep_mask": False, "metric_only_entropy": False},
+    peer=PeerInfo(requires=("megatron.core", "skyrl"), install=HOW, upstream=(
+        "skyrl.backends.skyrl_train.distributed.megatron.model_utils.FusedLinearChunkedDistributedLogprob",)),
+    # What SkyRL's own caller makes: the fused path
+    # (`skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py:664-676`) hands over the decoder's hidden states and the output layer's weight (:164). Under LoRA the
+    # pre-wrap hook freezes every base parameter, the LM head included (a frozen head: in use), and
+    # the adapters train in the decoder layers, so the hidden states always require grad.
+    use=[
+        {"where": {"frozen": "hidden"},
+         "why": "skyrl/backends/skyrl_train/workers/megatron/adapter_store.py:44-50: under LoRA only the adapters of "
+                "the decoder layers train (the base parameters, the LM head among them, are frozen), so the hidden "
+                "states the fused head gets require grad; without LoRA every parameter trains: a frozen trunk under "
+                "a trained head never happens"},
+        {"where": {"T": 0},
+         "why": "skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py:666-668: the hidden states are "
+                "those of a micro-batch's `[B, S]` sequences, padding included: never empty"},
+    ],
+)
 
 if _MU is not None:
     missing(SOURCE, _MU, "FusedLinearChunkedDistributedLogprob")
@@ -76,8 +81,8 @@ def skyrl_fused(mu, hidden, weight, tokens, tp_group, with_entropy=False, chunk_
 
 
 # `harness repro --script`: the file the call needs from SkyRL's tree, and the call itself.
-HARNESS_SCRIPT = {"name": "SkyRL", "files": {"mu": SOURCE.files}, "linear": skyrl_fused, "megatron": True,
-                  "how": HOW}
+HARNESS = dataclasses.replace(HARNESS, script={"name": "SkyRL", "files": {"mu": SOURCE.files}, "linear": skyrl_fused,
+                                               "megatron": True, "how": HOW})
 
 
 def calculate_linear_log_probs_and_entropy(hidden, weight, tokens, tp_group, with_entropy=False, chunk_size=-1,

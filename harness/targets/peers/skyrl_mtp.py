@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from harness.targets.declaration import Declaration, PeerInfo
 from harness.targets.peers._source import PeerSource, missing
 
 
@@ -42,17 +43,19 @@ HOW = ("git clone https://github.com/NovaSky-AI/SkyRL && export PYTHONPATH=$PWD/
 SOURCE = PeerSource("SkyRL-mtp", files=("skyrl/backends/skyrl_train/mtp/soft_ce.py",),
                     markers=("skyrl/backends",), how=HOW,
                     stubs={"skyrl.backends.skyrl_train.utils.torch_utils": {"masked_mean": _never}})
-HARNESS_CAPABILITIES = {"distill_log_softmax": False, "distill_topk": False, "distill_gather": False,
-                        "given_teacher": False, "forward_kl": False, "reverse_kl": False, "jsd": False,
-                        "mixed": False, "unnormalized": False, "teacher_grad": False, "temperature": False}
-HARNESS_PEER = dict(requires=("skyrl",), install=HOW, upstream=(
-    "skyrl.backends.skyrl_train.mtp.soft_ce.draft_soft_ce_topk",
-    "skyrl.backends.skyrl_train.mtp.soft_ce.draft_soft_ce"))
-HARNESS_USE = [
-    {"where": {"regime": "neginf"},
-     "why": "the policy's and the MTP heads' logits are raw model outputs, the padded vocabulary's columns sliced "
-            "off first: skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py:740-746"},
-]
+HARNESS = Declaration(
+    capabilities={"distill_log_softmax": False, "distill_topk": False, "distill_gather": False,
+                  "given_teacher": False, "forward_kl": False, "reverse_kl": False, "jsd": False,
+                  "mixed": False, "unnormalized": False, "teacher_grad": False, "temperature": False},
+    peer=PeerInfo(requires=("skyrl",), install=HOW, upstream=(
+        "skyrl.backends.skyrl_train.mtp.soft_ce.draft_soft_ce_topk",
+        "skyrl.backends.skyrl_train.mtp.soft_ce.draft_soft_ce")),
+    use=[
+        {"where": {"regime": "neginf"},
+         "why": "the policy's and the MTP heads' logits are raw model outputs, the padded vocabulary's columns sliced "
+                "off first: skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py:740-746"},
+    ],
+)
 
 _SC = SOURCE.load()  # None without SkyRL's tree on sys.path; RoutineMissing when this commit lacks the file
 if _SC is not None:

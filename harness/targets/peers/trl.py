@@ -19,24 +19,27 @@ from __future__ import annotations
 
 import torch
 
+from harness.targets.declaration import Declaration, PeerInfo
 from harness.targets.peers._mpu import gather_vocab
 
-HARNESS_CAPABILITIES = {"keep_mask": False, "tensor_parallel": False}
-HARNESS_PEER = dict(requires=("trl",), install="pip install trl",
-                    upstream=("trl.trainer.utils.selective_log_softmax_and_entropy",
-                              "trl.trainer.utils.selective_log_softmax", "trl.trainer.utils.entropy_from_logits"))
-# What TRL's own callers make (TRL 1.16.0): `selective_log_softmax_and_entropy` in its TPO trainer,
-# `selective_log_softmax` in its other trainers, on the model's logits. The harness's cases beyond
-# it are findings beyond its use (harness.checks.use).
-HARNESS_USE = [
-    {"where": {"regime": "neginf"},
-     "why": "trl/experimental/tpo/tpo_trainer.py:648-656 (and the other callers of selective_log_softmax, e.g. "
-            "trl/experimental/orpo/orpo_trainer.py:738): the logits are the model's output; nothing masks them "
-            "to -inf"},
-    {"where": {"T": 0},
-     "why": "trl/experimental/tpo/tpo_trainer.py:648-656: the logits are those of a batch of tokenized "
-            "prompt-and-completion pairs: never empty"},
-]
+HARNESS = Declaration(
+    capabilities={"keep_mask": False, "tensor_parallel": False},
+    peer=PeerInfo(requires=("trl",), install="pip install trl",
+                  upstream=("trl.trainer.utils.selective_log_softmax_and_entropy",
+                            "trl.trainer.utils.selective_log_softmax", "trl.trainer.utils.entropy_from_logits")),
+    # What TRL's own callers make (TRL 1.16.0): `selective_log_softmax_and_entropy` in its TPO trainer,
+    # `selective_log_softmax` in its other trainers, on the model's logits. The harness's cases beyond
+    # it are findings beyond its use (harness.checks.use).
+    use=[
+        {"where": {"regime": "neginf"},
+         "why": "trl/experimental/tpo/tpo_trainer.py:648-656 (and the other callers of selective_log_softmax, e.g. "
+                "trl/experimental/orpo/orpo_trainer.py:738): the logits are the model's output; nothing masks them "
+                "to -inf"},
+        {"where": {"T": 0},
+         "why": "trl/experimental/tpo/tpo_trainer.py:648-656: the logits are those of a batch of tokenized "
+                "prompt-and-completion pairs: never empty"},
+    ],
+)
 
 
 def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,

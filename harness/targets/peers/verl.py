@@ -14,33 +14,38 @@ and `chunk_size` is ignored: the chunked entropy is the `verl_chunked` adapter.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from harness.targets.declaration import Declaration, PeerInfo
 from harness.targets.peers._mpu import FLOAT16_OUTPUT_FP32, parallel_state_group
 
-HARNESS_CAPABILITIES = {"keep_mask": False, "metric_only_entropy": False}
-HARNESS_PEER = dict(requires=("verl", "megatron.core"), install="pip install verl==0.9.1",
-                    upstream=("verl.utils.megatron.tensor_parallel.vocab_parallel_entropy",
-                              "verl.utils.megatron.tensor_parallel.vocab_parallel_log_probs_from_logits"))
-# What verl's own caller makes: its Megatron engine's `_lm_head_logits_processor` (`verl/workers/engine/megatron/transformer_impl.py:1183-1233`),
-# which `forward_step` hands each micro-batch's model output (:1352-1361). The harness's cases
-# beyond it are findings beyond its use (harness.checks.use); `verl_chunked` shares them.
-HARNESS_USE = [
-    {"where": {"regime": "neginf"},
-     "why": "verl/workers/engine/megatron/transformer_impl.py:1201: the logits are the model's output divided by the temperature; nothing masks them to -inf"},
-    {"where": {"dtype": ["bf16", "fp16"]},
-     "why": f"verl/utils/megatron_utils.py:241 wraps the model in Float16Module when it runs in bf16 or fp16: "
-            f"{FLOAT16_OUTPUT_FP32}, so the logits reach the engine in float32"},
-    {"where": {"context": ["accumulate", "two_calls", "two_inputs"]},
-     "why": "verl/workers/engine/megatron/transformer_impl.py:1352-1361: the processor runs once on each micro-batch's own model output; no second call "
-            "or second backward ever reaches the same logits tensor"},
-    {"where": {}, "check": "input-integrity",
-     "why": "verl/workers/engine/megatron/transformer_impl.py:1206-1231: the logits are read by this call only (the entropy on them, the log-probs on "
-            "`logits.clone()` or, without an entropy, on them); what the call leaves in them is never read again"},
-    {"where": {"T": 0},
-     "why": "verl/trainer/ppo/ray_trainer.py:1255: `left_right_2_no_padding` packs each sample's prompt and "
-            "response tokens, and a micro-batch holds whole samples: its logits are never empty"},
-]
+HARNESS = Declaration(
+    capabilities={"keep_mask": False, "metric_only_entropy": False},
+    peer=PeerInfo(requires=("verl", "megatron.core"), install="pip install verl==0.9.1",
+                  upstream=("verl.utils.megatron.tensor_parallel.vocab_parallel_entropy",
+                            "verl.utils.megatron.tensor_parallel.vocab_parallel_log_probs_from_logits")),
+    # What verl's own caller makes: its Megatron engine's `_lm_head_logits_processor` (`verl/workers/engine/megatron/transformer_impl.py:1183-1233`),
+    # which `forward_step` hands each micro-batch's model output (:1352-1361). The harness's cases
+    # beyond it are findings beyond its use (harness.checks.use); `verl_chunked` shares them.
+    use=[
+        {"where": {"regime": "neginf"},
+         "why": "verl/workers/engine/megatron/transformer_impl.py:1201: the logits are the model's output divided by the temperature; nothing masks them to -inf"},
+        {"where": {"dtype": ["bf16", "fp16"]},
+         "why": f"verl/utils/megatron_utils.py:241 wraps the model in Float16Module when it runs in bf16 or fp16: "
+                f"{FLOAT16_OUTPUT_FP32}, so the logits reach the engine in float32"},
+        {"where": {"context": ["accumulate", "two_calls", "two_inputs"]},
+         "why": "verl/workers/engine/megatron/transformer_impl.py:1352-1361: the processor runs once on each micro-batch's own model output; no second call "
+                "or second backward ever reaches the same logits tensor"},
+        {"where": {}, "check": "input-integrity",
+         "why": "verl/workers/engine/megatron/transformer_impl.py:1206-1231: the logits are read by this call only (the entropy on them, the log-probs on "
+                "`logits.clone()` or, without an entropy, on them); what the call leaves in them is never read again"},
+        {"where": {"T": 0},
+         "why": "verl/trainer/ppo/ray_trainer.py:1255: `left_right_2_no_padding` packs each sample's prompt and "
+                "response tokens, and a micro-batch holds whole samples: its logits are never empty"},
+    ],
+)
 
 
 HOW = ("git clone https://github.com/verl-project/verl && export PYTHONPATH=$PWD/verl:$PYTHONPATH "
@@ -61,7 +66,8 @@ def verl_engine(tp, logits, tokens, with_entropy=False, chunk_size=-1):
 
 
 # `harness repro --script`: the file the call needs from verl's tree, and the call itself.
-HARNESS_SCRIPT = {"name": "verl", "files": FILES, "kernel": verl_engine, "megatron": True, "how": HOW}
+HARNESS = dataclasses.replace(HARNESS, script={"name": "verl", "files": FILES, "kernel": verl_engine, "megatron": True,
+                                               "how": HOW})
 
 
 def checked(tp_group, log_prob_keep_mask):

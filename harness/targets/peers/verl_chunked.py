@@ -11,17 +11,22 @@ the engine had no chunked entropy on Megatron and computed `vocab_parallel_entro
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from harness.targets.declaration import Declaration, PeerInfo
 from harness.targets.peers.verl import FILES, HOW, checked
-from harness.targets.peers.verl import HARNESS_USE as VERL_USE
+from harness.targets.peers.verl import HARNESS as VERL
 
-HARNESS_CAPABILITIES = {"keep_mask": False, "metric_only_entropy": False}
-HARNESS_PEER = dict(requires=("verl", "megatron.core"), install="pip install verl==0.9.1",
-                    upstream=("verl.utils.megatron.tensor_parallel.vocab_parallel_entropy_with_chunking",
-                              "verl.utils.megatron.tensor_parallel.vocab_parallel_log_probs_from_logits"))
-# verl's engine calls the chunked entropy where it calls the unchunked one: the same use (verl.py).
-HARNESS_USE = VERL_USE
+HARNESS = Declaration(
+    capabilities={"keep_mask": False, "metric_only_entropy": False},
+    peer=PeerInfo(requires=("verl", "megatron.core"), install="pip install verl==0.9.1",
+                  upstream=("verl.utils.megatron.tensor_parallel.vocab_parallel_entropy_with_chunking",
+                            "verl.utils.megatron.tensor_parallel.vocab_parallel_log_probs_from_logits")),
+    # verl's engine calls the chunked entropy where it calls the unchunked one: the same use (verl.py).
+    use=VERL.use,
+)
 
 
 def verl_engine_chunked(tp, logits, tokens, with_entropy=False, chunk_size=-1):
@@ -43,7 +48,8 @@ def verl_engine_chunked(tp, logits, tokens, with_entropy=False, chunk_size=-1):
 
 
 # `harness repro --script`: the file the call needs from verl's tree, and the call itself.
-HARNESS_SCRIPT = {"name": "verl", "files": FILES, "kernel": verl_engine_chunked, "megatron": True, "how": HOW}
+HARNESS = dataclasses.replace(HARNESS, script={"name": "verl", "files": FILES, "kernel": verl_engine_chunked,
+                                               "megatron": True, "how": HOW})
 
 
 def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,

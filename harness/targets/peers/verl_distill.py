@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from harness.targets.declaration import Declaration, PeerInfo
 from harness.targets.peers._mpu import parallel_state_group
 from harness.targets.peers._source import PeerSource, missing
 
@@ -45,19 +46,21 @@ SOURCE = PeerSource("verl-distillation", files=("verl/trainer/distillation/megat
                     markers=("verl/trainer",), how=HOW, stubs={
                         "verl.models.mcore.util": {"preprocess_bshd_engine": _unused, "preprocess_thd_engine": _unused},
                         "verl.workers.config": {"DistillationConfig": object, "DistillationLossConfig": object}})
-HARNESS_CAPABILITIES = {"distill_log_softmax": False, "distill_topk": False, "distill_gather": False,
-                        "full_teacher": False, "topk_teacher": False, "reverse_kl": False, "jsd": False,
-                        "mixed": False, "soft_ce": False, "renormalized": False, "temperature": False,
-                        "teacher_grad": False, "eager": False}
-# Each new shape compiles megatron-core's calculate_logits_max (`@jit_fuser`, torch.compile): a
-# second or more a case on two cores, so `harness peers` checks it at the smoke profile.
-HARNESS_PEER = dict(requires=("megatron.core", "verl"), install=HOW, profile="smoke", upstream=(
-    "verl.trainer.distillation.megatron.losses._VocabParallelKLDivergence",))
-HARNESS_USE = [
-    {"where": {"regime": "neginf"},
-     "why": "the student's logits are the Megatron model's raw output, never -inf: "
-            "verl/trainer/distillation/losses.py:150-156"},
-]
+HARNESS = Declaration(
+    capabilities={"distill_log_softmax": False, "distill_topk": False, "distill_gather": False,
+                  "full_teacher": False, "topk_teacher": False, "reverse_kl": False, "jsd": False,
+                  "mixed": False, "soft_ce": False, "renormalized": False, "temperature": False,
+                  "teacher_grad": False, "eager": False},
+    # Each new shape compiles megatron-core's calculate_logits_max (`@jit_fuser`, torch.compile): a
+    # second or more a case on two cores, so `harness peers` checks it at the smoke profile.
+    peer=PeerInfo(requires=("megatron.core", "verl"), install=HOW, profile="smoke", upstream=(
+        "verl.trainer.distillation.megatron.losses._VocabParallelKLDivergence",)),
+    use=[
+        {"where": {"regime": "neginf"},
+         "why": "the student's logits are the Megatron model's raw output, never -inf: "
+                "verl/trainer/distillation/losses.py:150-156"},
+    ],
+)
 
 _LOSSES = SOURCE.load()  # None without verl's tree on sys.path; RoutineMissing when this commit lacks the file
 if _LOSSES is not None:

@@ -17,24 +17,29 @@ lost the hidden states' `requires_grad`). The `impl_backend="torch"` path is che
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from harness.targets.declaration import Declaration, PeerInfo
 from harness.targets.peers._mpu import gather_vocab
 
-HARNESS_CAPABILITIES = {"metric_only_entropy": False, "tensor_parallel": False}
-HARNESS_PEER = dict(requires=("verl",), install="pip install verl==0.9.1",
-                    upstream=("verl.utils.experimental.torch_functional.FusedLinearForPPO",))
-# What verl's own caller makes: its model forward with fused kernels (`verl/models/transformers/dense_common.py:104-127`)
-# hands over the decoder's hidden states and `self.lm_head.weight`. Under LoRA
-# (`verl/workers/engine/fsdp/transformer_impl.py:349`, peft) the base parameters, the LM head among
-# them, are frozen (a frozen head: in use) and the adapters train in the decoder layers.
-HARNESS_USE = [
-    {"where": {"frozen": "hidden"},
-     "why": "verl/workers/engine/fsdp/transformer_impl.py:349 wraps the model in peft's LoRA with "
-            "target_modules all-linear (verl/trainer/config/model/hf_model.yaml:49): the adapters train in the "
-            "decoder layers, so the hidden states verl/models/transformers/dense_common.py:104 hands over require grad; without LoRA every "
-            "parameter trains: a frozen trunk under a trained head never happens"},
-]
+HARNESS = Declaration(
+    capabilities={"metric_only_entropy": False, "tensor_parallel": False},
+    peer=PeerInfo(requires=("verl",), install="pip install verl==0.9.1",
+                  upstream=("verl.utils.experimental.torch_functional.FusedLinearForPPO",)),
+    # What verl's own caller makes: its model forward with fused kernels (`verl/models/transformers/dense_common.py:104-127`)
+    # hands over the decoder's hidden states and `self.lm_head.weight`. Under LoRA
+    # (`verl/workers/engine/fsdp/transformer_impl.py:349`, peft) the base parameters, the LM head among
+    # them, are frozen (a frozen head: in use) and the adapters train in the decoder layers.
+    use=[
+        {"where": {"frozen": "hidden"},
+         "why": "verl/workers/engine/fsdp/transformer_impl.py:349 wraps the model in peft's LoRA with "
+                "target_modules all-linear (verl/trainer/config/model/hf_model.yaml:49): the adapters train in the "
+                "decoder layers, so the hidden states verl/models/transformers/dense_common.py:104 hands over require grad; without LoRA every "
+                "parameter trains: a frozen trunk under a trained head never happens"},
+    ],
+)
 HOW = ("git clone https://github.com/verl-project/verl && export PYTHONPATH=$PWD/verl:$PYTHONPATH "
        "(torch_functional.py needs torch only), or pip install verl")
 
@@ -58,8 +63,8 @@ def verl_linear(tf, hidden, weight, tokens, with_entropy=False, chunk_size=-1):
 
 # `harness repro --script`: the file the call needs from verl's tree, and the call (at TP 1: verl's
 # fused linear is not tensor-parallel, and the harness's gather of the shards is not verl's code).
-HARNESS_SCRIPT = {"name": "verl", "files": {"tf": ("verl/utils/experimental/torch_functional.py",)}, "linear": verl_linear,
-                  "how": HOW}
+HARNESS = dataclasses.replace(HARNESS, script={
+    "name": "verl", "files": {"tf": ("verl/utils/experimental/torch_functional.py",)}, "linear": verl_linear, "how": HOW})
 
 
 def calculate_linear_log_probs_and_entropy(hidden, weight, tokens, tp_group, with_entropy=False, chunk_size=-1,

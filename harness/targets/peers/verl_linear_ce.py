@@ -13,18 +13,22 @@ from __future__ import annotations
 
 import torch
 
-HARNESS_CAPABILITIES = {"metric_only_entropy": False, "cpu": False}
-HARNESS_PEER = dict(requires=("verl", "triton"), install="pip install verl==0.9.1 (on a CUDA machine)",
-                    upstream=("verl.utils.kernel.linear_cross_entropy.linear_cross_entropy",))
-# What verl's own caller makes: its model forward with the Triton backend (`verl/models/transformers/dense_common.py:173-195`), the
-# same hidden states and LM head as `verl_fused_linear`'s, so the same use.
-HARNESS_USE = [
-    {"where": {"frozen": "hidden"},
-     "why": "verl/workers/engine/fsdp/transformer_impl.py:349 wraps the model in peft's LoRA with "
-            "target_modules all-linear (verl/trainer/config/model/hf_model.yaml:49): the adapters train in the "
-            "decoder layers, so the hidden states verl/models/transformers/dense_common.py:173 hands over require grad; without LoRA every "
-            "parameter trains"},
-]
+from harness.targets.declaration import Declaration, PeerInfo
+
+HARNESS = Declaration(
+    capabilities={"metric_only_entropy": False, "cpu": False},
+    peer=PeerInfo(requires=("verl", "triton"), install="pip install verl==0.9.1 (on a CUDA machine)",
+                  upstream=("verl.utils.kernel.linear_cross_entropy.linear_cross_entropy",)),
+    # What verl's own caller makes: its model forward with the Triton backend (`verl/models/transformers/dense_common.py:173-195`), the
+    # same hidden states and LM head as `verl_fused_linear`'s, so the same use.
+    use=[
+        {"where": {"frozen": "hidden"},
+         "why": "verl/workers/engine/fsdp/transformer_impl.py:349 wraps the model in peft's LoRA with "
+                "target_modules all-linear (verl/trainer/config/model/hf_model.yaml:49): the adapters train in the "
+                "decoder layers, so the hidden states verl/models/transformers/dense_common.py:173 hands over require grad; without LoRA every "
+                "parameter trains"},
+    ],
+)
 
 
 def calculate_linear_log_probs_and_entropy(hidden, weight, tokens, tp_group, with_entropy=False, chunk_size=-1,

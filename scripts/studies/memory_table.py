@@ -2,7 +2,7 @@
 routine and the naive all-gather baseline on the same kernel cases (TP 1, in this process), in units
 of T*V_local*4 bytes, with the ratio of the first to the second.
 
-    python scripts/memory_table.py [TARGET TARGET]
+    python scripts/studies/memory_table.py [TARGET TARGET]
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from harness.cases.case import KernelCase  # noqa: E402
 from harness.engine.executor import run_on_rank  # noqa: E402

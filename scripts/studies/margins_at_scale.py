@@ -2,7 +2,7 @@
 defective ones go, at real vocabulary sizes: a few rows of V_local = 32768 per rank at TP 1, 2 and
 4 (V up to 131072), in every logit regime and input dtype, on the worker pools like any case.
 
-    python scripts/margins_at_scale.py [--v-local 32768] [--rows 3] [--tp 1,2,4] [TARGET ...]
+    python scripts/studies/margins_at_scale.py [--v-local 32768] [--rows 3] [--tp 1,2,4] [TARGET ...]
 
 Prints one markdown row per target: the worst error/bound of each value and gradient check (a
 correct routine must stay below 1; a mutant meant to fail should exceed it by far).
@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from harness.cases.case import REGIMES, KernelCase  # noqa: E402
 from harness.driver.pool import WorkerPool  # noqa: E402

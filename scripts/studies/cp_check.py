@@ -2,7 +2,7 @@
 cases per CP size over TP 1 and 2 (both layouts drawn), with a known-findings file. What
 docs/context-parallel.md and docs/real-routines.md measure:
 
-    PYTHONPATH=.:path/to/slime python scripts/cp_check.py slime.backends.megatron_utils.loss 80 \\
+    PYTHONPATH=.:path/to/slime python scripts/studies/cp_check.py slime.backends.megatron_utils.loss 80 \\
         docs/examples/slime-known.toml
 """
 from __future__ import annotations

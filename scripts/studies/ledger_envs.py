@@ -7,7 +7,7 @@ took; exits 1 if an environment built more than once (from an empty scratch dire
 exactly once, in its first round; run again on the same scratch, none builds). Run from the
 repository root:
 
-    python scripts/ledger_envs.py --scratch SCRATCH_DIR --rounds 3
+    python scripts/studies/ledger_envs.py --scratch SCRATCH_DIR --rounds 3
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROBE = "from harness.meters import ledger_build, memory_meter; print(memory_meter.ledger_name(), ledger_build.extension_name())"
 
 

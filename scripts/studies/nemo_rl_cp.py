@@ -11,7 +11,7 @@ NeMo-RL's CP backward (`AllGatherCPTensor.backward`) moves an index tensor to CU
 two calls by no-ops in this process, so that the rest of the backward (its all-reduce and re-slice)
 can be checked here; without it the script checks the forward and shows the crash.
 
-    PYTHONPATH=$PWD:/path/to/nemo-rl python scripts/nemo_rl_cp.py [--cuda-shim]
+    PYTHONPATH=$PWD:/path/to/nemo-rl python scripts/studies/nemo_rl_cp.py [--cuda-shim]
 """
 from __future__ import annotations
 

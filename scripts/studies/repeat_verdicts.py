@@ -2,7 +2,7 @@
 process) N times and compares the check tables: per check and level, how many cases it applied
 to, failed, matched a known entry, was not applied to (and why), and its largest margin.
 
-    python scripts/repeat_verdicts.py --runs 20 [--seeds same|different|both] [--load 2]
+    python scripts/studies/repeat_verdicts.py --runs 20 [--seeds same|different|both] [--load 2]
                                       [--profile ci] [--target SPEC] [--out DIR] [-- EXTRA CHECK ARGS]
 
 `same`: every run with seed 0 must give one table, bit for bit (margins included). `different`:
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def table(result: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Cases per second of the engine, per TP size: small randomized kernel and wrapper cases (3:1),
 every registered check evaluated, twins included; pools started once, start-up timed separately.
 
-    python scripts/throughput.py [--cases 200] [--breakdown] [--replay]
+    python benchmarks/throughput.py [--cases 200] [--breakdown] [--replay]
 
 `--breakdown` also splits a checked case's wall time into its stages, per TP size and level, by
 timing the engine's own functions from this script (nothing in the harness is changed for it):

@@ -3,7 +3,7 @@
 simulated TP shards and compared with the float64 oracle; per (variant, quantity) the worst
 |error| / bound over the cases. Correct variants must stay well below 1, defects must exceed it.
 
-    python scripts/linear_tolerance_study.py [--quick]      (about 1 minute; --quick: a few seconds)
+    python scripts/studies/linear_tolerance_study.py [--quick]      (about 1 minute; --quick: a few seconds)
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from harness.cases.case import LinearCase
 from harness.checks import oracle
 from harness.checks.tolerance import compare

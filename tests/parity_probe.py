@@ -1,5 +1,5 @@
-"""A pytest plugin for `route_parity.py` (`-p parity_probe`, this folder on PYTHONPATH): records each
-finding the shipped suite's tests fail with into `pytest.json` in the current directory."""
+"""A pytest plugin for `test_route_parity.py` (`-p tests.parity_probe`, the checkout on PYTHONPATH):
+records each finding the shipped suite's tests fail with into `pytest.json` in the current directory."""
 from __future__ import annotations
 
 import json

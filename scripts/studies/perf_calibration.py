@@ -1,9 +1,9 @@
 """Measure the time gate's false-alarm rate and its detection rate for injected slowdowns.
 
-    .venv/bin/python scripts/perf_calibration.py                    # the figures in docs/performance.md
-    .venv/bin/python scripts/perf_calibration.py --background 2     # with two CPU-bound neighbours
-    .venv/bin/python scripts/perf_calibration.py --clock wall       # wall clock instead of CPU time
-    .venv/bin/python scripts/perf_calibration.py --comparisons 0 --instruction-runs 3   # callgrind repeatability
+    .venv/bin/python scripts/studies/perf_calibration.py                    # the figures in docs/performance.md
+    .venv/bin/python scripts/studies/perf_calibration.py --background 2     # with two CPU-bound neighbours
+    .venv/bin/python scripts/studies/perf_calibration.py --clock wall       # wall clock instead of CPU time
+    .venv/bin/python scripts/studies/perf_calibration.py --comparisons 0 --instruction-runs 3   # callgrind repeatability
 
 Each comparison is exactly what `check --baseline` does for one case: rounds of `perf.jobs.paired_job`
 on the case's worker pool (`perf.PAIRS` pairs each, more rounds while the interval straddles the
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from harness.base.options import DEFAULT_TARGET  # noqa: E402
 from harness.cases.benchmarks import PERF_CASES  # noqa: E402

@@ -9,7 +9,7 @@ the running sum, and the sum of those grows faster than |G|^T |h| wherever the t
 sign over many rows). Trainers' data drift: a loss weight of one sign over a response (SFT's mean
 NLL, GRPO's per-response advantage) and hidden-state channels with a non-zero mean.
 
-    python scripts/deep_accumulation.py [--seeds 3]
+    python scripts/studies/deep_accumulation.py [--seeds 3]
 
 Prints, per dtype, data ("zero-mean": the harness's shallow draws; "drifting": the deep regime's)
 and number of chunks, the worst |error| / bound over dW's entries for the float32 accumulation

@@ -7,11 +7,13 @@ of its first failing check, the pytest route's line of its first failed test). C
 system, the process and every process it started) is the figure a shared machine's load does not
 move much.
 
-Prints one row per target (checks failing in each route, findings equal or not, times and their
-ratios) and exits 1 when a target's findings differ. A target needing a tree on the path takes it
-after `@`: `slime.backends.megatron_utils.loss@path/to/slime`. Heavy: run it under `nice`.
+As a command, from the checkout's root, it prints one row per target (checks failing in each route,
+findings equal or not, times and their ratios) and exits 1 when a target's findings differ. A
+target needing a tree on the path takes it after `@`: `slime.backends.megatron_utils.loss@path/to/slime`.
+As a slow test, it compares the routes on `TARGETS` at the smoke profile. Heavy: run it under `nice`.
 
-    python scripts/route_parity.py --profile ci TARGET[@PYTHONPATH] ... [--json parity.json]
+    python -m tests.test_route_parity --profile ci TARGET[@PYTHONPATH] ... [--json parity.json]
+    pytest -m slow tests/test_route_parity.py
 """
 from __future__ import annotations
 
@@ -26,11 +28,18 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 # The CLI's progress line of a failure: a corpus entry naming its failing checks, or a shrunk one;
 # pytest's (-v) line of a failed test.
 CLI_FAILURE = re.compile(r"\] corpus [\w.-]+(?: \(ran at TP \d+: [^)]*\))?: (?!ok$|skipped)|: \S+ fails; shrunk to ")
 PYTEST_FAILURE = re.compile(r"::test_\w+\[.*\] FAILED")
+# What the slow test compares: the built-in routine (no finding on either route) and the catalog's
+# CP mutants, whose findings come from the pytest route's CP steps.
+TARGETS = ("harness.targets.fused", "mutant:cp-absent-piece-requires-grad", "mutant:zigzag-offset-off-by-one",
+           "mutant:cp-reduce-over-tp-group", "mutant:cp-reduce-over-world", "mutant:top-p-mask-wrong-cp-layout",
+           "mutant:cp-gathered-logits")
 
 
 def _tree_cpu_s(root: int) -> float:
@@ -55,7 +64,7 @@ def _tree_cpu_s(root: int) -> float:
 def _run(cmd: list[str], cwd: Path, pythonpath: str, timeout: float, first: re.Pattern) -> dict:
     """Run `cmd`; its wall and CPU time, exit code, output tail, and the wall and CPU time at which its
     output first matched `first`."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (pythonpath, str(REPO / "scripts"))))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (pythonpath, str(REPO))))}
     env.pop("CI", None)
     start = time.perf_counter()
     first_s = first_cpu = None
@@ -95,7 +104,7 @@ def compare(spec: str, ns: argparse.Namespace, scratch: Path) -> dict:
     cli_json, probe_json = scratch / "cli.json", scratch / "pytest.json"
     cli = _run([sys.executable, "-u", "-m", "harness", "check", "--target", target, "--profile", ns.profile,
                 "--seed", str(ns.seed), *sizes, "--json", str(cli_json)], scratch, path, ns.timeout, CLI_FAILURE)
-    pyt = _run([sys.executable, "-u", "-m", "pytest", "-p", "no:cacheprovider", "-p", "parity_probe", "-v",
+    pyt = _run([sys.executable, "-u", "-m", "pytest", "-p", "no:cacheprovider", "-p", "tests.parity_probe", "-v",
                 "--pyargs", "harness.conformance", "--harness-target", target, "--harness-profile", ns.profile,
                 "--harness-seed", str(ns.seed), *(f"--harness-{a.lstrip('-')}" if a.startswith("-") else a for a in sizes)],
                scratch, path, ns.timeout, PYTEST_FAILURE)
@@ -119,7 +128,7 @@ def _ratios(row: dict):
     return ratio
 
 
-def main() -> int:
+def options(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("targets", nargs="+", metavar="TARGET[@PYTHONPATH]")
     parser.add_argument("--profile", default="ci")
@@ -128,7 +137,22 @@ def main() -> int:
     parser.add_argument("--cp", help="CP sizes (default: the profile's)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per route and target")
     parser.add_argument("--json", metavar="FILE")
-    ns = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def _differ(row: dict) -> str:
+    return json.dumps({k: row.get(k) for k in ("cli", "pytest", "error")}, indent=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", TARGETS)
+def test_both_routes_report_the_same_findings(target: str, tmp_path: Path) -> None:
+    row = compare(target, options(["--profile", "smoke", target]), tmp_path)
+    assert row["same"], _differ(row)
+
+
+def main() -> int:
+    ns = options()
     rows = []
     for spec in ns.targets:
         with tempfile.TemporaryDirectory(prefix="parity-") as scratch:
@@ -139,7 +163,7 @@ def main() -> int:
               f"{len(row.get('cli', {}))} | wall {ratio('wall_s')}, CPU {ratio('cpu_s')} | first failure: wall "
               f"{ratio('first_s')}, CPU {ratio('first_cpu_s')} | rc {row['cli_rc']}/{row['pytest_rc']}", flush=True)
         if not row["same"]:
-            print(json.dumps({k: row.get(k) for k in ("cli", "pytest", "error")}, indent=1), flush=True)
+            print(_differ(row), flush=True)
     if ns.json:
         Path(ns.json).write_text(json.dumps({"profile": ns.profile, "seed": ns.seed, "rows": rows}, indent=1))
     return 0 if all(r["same"] for r in rows) else 1

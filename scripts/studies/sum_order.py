@@ -3,7 +3,7 @@
 buffer's length. Also PyTorch's CPU row sums: on several threads and long rows, and over a
 strided (transposed) last dimension.
 
-    python scripts/sum_order.py
+    python scripts/studies/sum_order.py
 """
 from __future__ import annotations
 

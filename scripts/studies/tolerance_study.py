@@ -5,7 +5,7 @@ to the float64 oracle; for every (variant, regime, V) the worst |err| / bound is
 <= 1 for correct variants, >= 10 for the defects), next to the same ratio under the current scalar
 policy K*u*(max|x| + ln V).
 
-    python scripts/tolerance_study.py [--quick] > docs/tolerance_study.txt    (about 16 minutes on an idle 2-core machine; --quick: 1)
+    python scripts/studies/tolerance_study.py [--quick] > docs/tolerance_study.txt    (about 16 minutes on an idle 2-core machine; --quick: 1)
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path  # noqa: E402
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from harness.checks import tolerance as tol  # noqa: E402
 
 torch.set_num_threads(2)

@@ -1,0 +1,175 @@
+"""`harness repro --script`: a finding as one stand-alone script, at every level, run where only torch
+and the routine's own folder can be imported: exit 1 while the defect is there, 0 on the routine
+without it. The routines are the built-in ones copied out as files (the harness's own are refused),
+with a mutant of the catalog in place of the routine for the defect."""
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.base import levels
+from harness.checks import script as scripts
+from harness.checks.scripts.embed import Script, decide
+from harness.targets import fused, fused_distill, fused_linear, load_target
+from harness.targets.mutants import catalog
+
+SITE = str(Path(torch.__file__).resolve().parents[1])  # torch's folder, and no site: no harness
+
+
+def _mutant_class(name: str) -> str:
+    """A mutant's class as source, without its registration."""
+    source = textwrap.dedent(inspect.getsource(catalog()[name].routine))
+    return "\n".join(source.splitlines()[ast.parse(source).body[0].lineno - 1:])
+
+
+def built_in(folder: Path, name: str, mutant: str | None = None) -> Path:
+    """`harness/targets/fused.py` as the file `name`.py of `folder`, harness-free: the two modules it
+    imports beside it, its declaration left out; with `mutant`'s routine in place of its own."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for module in (fused_distill, fused_linear):
+        (folder / Path(inspect.getfile(module)).name).write_text(Path(inspect.getfile(module)).read_text())
+    text = Path(inspect.getfile(fused)).read_text()
+    lines = text.splitlines()
+    declared = [n for n in ast.parse(text).body
+                if isinstance(n, ast.ImportFrom) and n.module == "harness.targets.declaration"
+                or isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "HARNESS" for t in n.targets)]
+    for node in sorted(declared, key=lambda n: -n.lineno):
+        del lines[node.lineno - 1:node.end_lineno]
+    text = "\n".join(lines).replace("from harness.targets.", "from ") + "\n"
+    if mutant:
+        cls = catalog()[mutant].routine
+        text += (f"\n\nFused = FusedLogProbEntropy\n\n\n{_mutant_class(mutant)}\n\n\nROUTINE = {cls.__name__}()\n"
+                 "calculate_log_probs_and_entropy = ROUTINE.calculate_log_probs_and_entropy\n"
+                 "get_log_probs_and_entropy = ROUTINE.get_log_probs_and_entropy\n")
+    path = folder / f"{name}.py"
+    path.write_text(text)
+    return path
+
+
+def distill_built_in(folder: Path, name: str, mutant: str | None = None) -> Path:
+    """`harness/targets/fused_distill.py` (harness-free already) as the file `name`.py of `folder`, its
+    four functions bound to the built-in routine or to `mutant`'s."""
+    folder.mkdir(parents=True, exist_ok=True)
+    text = Path(inspect.getfile(fused_distill)).read_text()
+    if mutant:
+        text += f"\n\n{_mutant_class(mutant)}\n\n\nDISTILL_ROUTINE = {catalog()[mutant].routine.__name__}()\n"
+    text += "".join(f"{f} = DISTILL_ROUTINE.{f}\n"
+                    for f in ("distill_log_softmax", "distill_topk", "distill_gather", "distill_divergence"))
+    path = folder / f"{name}.py"
+    path.write_text(text)
+    return path
+
+
+def start_script(script: Path, routine_folder: Path) -> subprocess.Popen:
+    """The script in an interpreter that finds only torch and the routine's folder (PYTHONPATH; no
+    site, so not the harness's editable install either), from the script's own folder."""
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": os.pathsep.join([str(routine_folder), SITE])}
+    return subprocess.Popen([sys.executable, "-S", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=script.parent, env=env)
+
+
+# (copy, mutant, case, check, term, what the finding says)
+FINDINGS = {
+    "kernel-values": (
+        built_in, "mask-applied-to-entropy", "kernel:tp=1,T=4,v_local=6,mask=random,seed=2", "values", "entropy",
+        "FINDING [values (entropy term)]: rank 0 entropy: worst at"),
+    "wrapper-extraction": (
+        built_in, "shift-off-by-one", "wrapper:tp=1,v_local=8,total_lengths=4/5,response_lengths=2/3,seed=1",
+        "wrapper-extraction", "", "FINDING [wrapper-extraction]: rank 0 sample 0 log_probs: worst at"),
+    "distill-values": (
+        distill_built_in, "distill-bf16-sum-exp", "distill:tp=1,T=4,v_local=64,function=divergence,seed=3", "values",
+        "", "FINDING [values]: rank 0 divergence: worst at"),
+    "distill-gradients-tp2": (
+        distill_built_in, "distill-grad-sum-not-reduced", "distill:tp=2,T=3,v_local=8,function=log_softmax,seed=3",
+        "gradients", "", "FINDING [gradients]: student grad (all shards): worst at"),
+    "memory-logits-dtype": (
+        built_in, "chunked-grad-buffer-float32", "kernel:tp=1,T=8,v_local=16,dtype=bf16,chunk_size=2,seed=1",
+        "memory-logits-dtype", "", "the backward allocated a float32 buffer of all 8x16 logits entries"),
+}
+
+
+@pytest.mark.parametrize("finding", FINDINGS, ids=list(FINDINGS))
+def test_a_script_exits_1_on_the_defect_and_0_on_the_routine_without_it(tmp_path: Path, finding: str) -> None:
+    copy, mutant, spec, check, term, message = FINDINGS[finding]
+    case = levels.parse(spec)
+    runs = {}
+    for kind, name in (("defect", mutant), ("right", None)):
+        routine = copy(tmp_path / kind, f"script_{finding.replace('-', '_')}_{kind}", name)
+        script = tmp_path / f"{kind}_repro.py"
+        assert scripts.write(load_target(str(routine)), case, check, term, script) == [script]
+        text = script.read_text()
+        assert str(tmp_path) not in text  # the routine is found on PYTHONPATH, not at this machine's path
+        assert not any(line.split()[1].split(".")[0] in scripts.HARNESS_PACKAGES for line in text.splitlines()
+                       if line.startswith(("import ", "from ")))
+        runs[kind] = start_script(script, routine.parent)
+    out = {kind: run.communicate(timeout=300) for kind, run in runs.items()}
+    assert message in out["defect"][0], out["defect"][0][-3000:] + out["defect"][1][-3000:]
+    assert {kind: run.returncode for kind, run in runs.items()} == {"defect": 1, "right": 0}, out["right"]
+
+
+def test_a_routine_file_given_as_the_argument_is_the_one_run(tmp_path: Path) -> None:
+    """Without PYTHONPATH, the routine's file is the script's first argument."""
+    routine = built_in(tmp_path / "routine", "script_argument_fused", "mask-applied-to-entropy")
+    script = tmp_path / "repro.py"
+    scripts.write(load_target(str(routine)), levels.parse(FINDINGS["kernel-values"][2]), "values", "entropy", script)
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": SITE}
+    run = subprocess.run([sys.executable, "-S", str(script), str(routine)], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path, env=env)
+    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
+    missing = subprocess.run([sys.executable, "-S", str(script)], capture_output=True, text=True, timeout=300,
+                             cwd=tmp_path, env=env)
+    assert missing.returncode == 2 and "cannot import the routine" in missing.stdout
+    harness = subprocess.run([sys.executable, "-S", "-c", "import harness"], capture_output=True, text=True,
+                             timeout=60, cwd=tmp_path, env=env)
+    assert harness.returncode != 0  # the scripts above ran without the harness on the path
+
+
+def test_a_script_keeps_only_its_case_path() -> None:
+    """Branches decided by the case, the check and the TP size are left out of what the script holds."""
+    case = levels.parse("kernel:tp=1,T=3,v_local=4,mask=none,regime=normal")
+    test = ast.parse("self.mask != 'none' and T", mode="eval").body
+    assert decide(test, {"self": case}) is False
+    assert decide(ast.parse("self.T and rows", mode="eval").body, {"self": case}) is None  # a local: kept
+    script = Script({"CASE": case, "TP": 1})
+    script.imports("import sys")
+    script.code('''
+def main():
+    if TP == 1:
+        return one()
+    return many()
+
+
+def one():
+    return CASE.T
+
+
+def many():
+    return CASE.v_local
+''', "code", 0)
+    text = script.render(["main"], '"""doc"""', "sys.exit(main())")
+    assert "def many" not in text and "TP ==" not in text and "CASE = SimpleNamespace(T=3)" in text
+
+
+def test_refusals_name_what_a_script_cannot_hand_over(tmp_path: Path) -> None:
+    routine = load_target(str(built_in(tmp_path, "script_refused_fused")))
+    distill = load_target(str(distill_built_in(tmp_path, "script_refused_distill")))
+
+    def why(target, spec: str, check: str) -> str:
+        return scripts.refusal(target, levels.parse(spec), check) or ""
+
+    assert "part of the harness" in why(load_target("harness.targets.fused"), "kernel:tp=1,T=3,v_local=4", "values")
+    wrapper_cp = "wrapper:tp=1,v_local=4,total_lengths=4/5,response_lengths=2/3,cp=2"
+    assert "cp=1" in why(routine, wrapper_cp, "wrapper-gradients")
+    assert "contiguous" in why(routine, "kernel:tp=1,T=3,v_local=4,layout=transposed", "values")
+    assert "checks" in why(distill, "distill:tp=1,T=8,v_local=8,dtype=bf16,chunk_size=2", "memory-logits-dtype")
+    with pytest.raises(ValueError, match="training path"):
+        scripts.write(routine, levels.parse("kernel:tp=1,T=3,v_local=4,context=no_grad"), "values", "",
+                      tmp_path / "x.py")
