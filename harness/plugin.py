@@ -29,7 +29,7 @@ from harness.base.errors import HarnessError
 
 # The CLI's options, flags and validators, as `--harness-NAME` and ini `harness_NAME`.
 NAMES = ("target", "tp", "cp", "device", "collective_timeout", "case_timeout", "profile", "seed", "known",
-         "strict_known", "bitwise")
+         "strict_known", "bitwise", "fail_on")
 FIXTURES = ("harness_runner", "harness_pools")
 LAUNCH_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK")  # as `torchrun.active` reads them (no torch import here)
 SUITE = "harness.conformance.test_conformance"

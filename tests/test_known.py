@@ -83,6 +83,7 @@ def test_cli_known_findings_do_not_fail_the_run(tmp_path, harness_pools, capsys)
     assert result["known"]["stale"] == ["[finite] where regime = neginf, with_entropy = 1: NaN entropy at -inf logits"]
     assert result["checks"]["entropy-coef-rule"]["wrapper"]["known"] > 0
     assert main(argv + ["--strict"], pools=harness_pools) == 1  # known findings and a stale entry fail it
+    assert main(argv + ["--fail-on", "any"], pools=harness_pools) == 1  # known findings fail it
 
 
 @pytest.mark.distributed
@@ -110,6 +111,27 @@ def test_pytest_known_findings_are_xfails(tmp_path):
     assert "harness known findings" in run.stdout
     strict = suite("--harness-strict-known")
     assert strict.returncode == 1 and "1 failed" in strict.stdout
+
+
+def test_pytest_ini_known_file_is_read_from_the_rootdir_and_fail_on_any_fails_known(tmp_path):
+    """`harness_known` in the project's ini names a file relative to pytest's rootdir, whatever the
+    working directory; `harness_fail_on = any` turns its known findings' expected failures into failures."""
+    (tmp_path / "ci").mkdir()
+    _file(tmp_path, COVERS_IT)
+    (tmp_path / "pytest.ini").write_text(f"[pytest]\nharness_target = {MUTANT}\nharness_tp = 2\nharness_profile = smoke\n"
+                                         "harness_known = known.toml\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CI")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+
+    def suite(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "harness.conformance", "-p", "no:cacheprovider",
+                               "-k", "coef-zero-metric-only", "-rx", *extra], cwd=tmp_path / "ci", env=env,
+                              capture_output=True, text=True, timeout=240)
+
+    run = suite()
+    assert run.returncode == 0 and "1 xfailed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
+    strict = suite("--harness-fail-on", "any")
+    assert strict.returncode == 1 and "1 failed" in strict.stdout and "(--harness-fail-on any)" in strict.stdout
 
 
 @pytest.mark.distributed

@@ -522,3 +522,27 @@ def test_peers_exits_as_check_does(tmp_path, monkeypatch) -> None:
     assert main(argv) == 1
     outcome["status"] = "error"
     assert main(argv) == 2
+
+
+def test_peers_list_says_which_adapter_does_not_import_and_lists_the_rest(tmp_path, monkeypatch, capsys) -> None:
+    """NeMo-RL's tree on PYTHONPATH whose routine's file imports a dependency not installed here
+    (hydra): its adapter fails at import. `peers --list` still lists every peer, that one saying
+    what is missing, and exits 0."""
+    import sys
+
+    from harness.cli import main
+
+    loss = tmp_path / "nemo_rl" / "algorithms" / "loss"
+    loss.mkdir(parents=True)
+    (tmp_path / "nemo_rl" / "distributed").mkdir()
+    for name in ("interfaces.py", "loss_functions.py"):
+        (loss / name).write_text("import hydra_not_installed_here\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "harness.targets.peers.nemo_rl_distill", raising=False)
+    assert main(["peers", "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    said = {line.split()[0]: line for line in lines if not line.startswith(" ")}
+    assert set(said) == set(PEERS)
+    assert "its adapter does not import here (ModuleNotFoundError: No module named 'hydra_not_installed_here')" \
+        in said["nemo_rl_distill"], said["nemo_rl_distill"]
+    assert any("NeMo-RL's top-k distillation" in line for line in lines)  # its summary, read from its source

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -185,6 +186,74 @@ def test_a_rank_killed_once_from_outside_is_an_event_not_a_crash(harness_pools):
     assert findings == [], [f"{f.check}: {f.message[:300]}" for f in findings]
     assert len(runner.events) == 1 and "rank 1 died (exit code -1)" in runner.events[0], runner.events
     assert runner.events[0].endswith("ran again in a fresh pool without a death: not a finding")
+
+
+def _kernel_case(seed: int) -> KernelCase:
+    return KernelCase(tp=2, T=5, v_local=4, with_entropy=True, seed=seed)
+
+
+def _died(finding) -> str:
+    return finding.message[finding.message.index("rank 1 died: "):]
+
+
+@pytest.mark.distributed
+def test_a_process_exiting_zero_every_few_calls_is_a_crash_though_each_re_run_passes():
+    """Rank 1's process exits with status 0 on its 4th call: the case's re-run in a fresh pool
+    passes, yet exit code 0 is no signal's, so each such case is a `crash` saying at which call of
+    the process it died and in how many cases of the run. Pools of its own: the call count is the
+    process's."""
+    runner = Runner("tests.targets.exits_on_nth_call")
+    try:
+        found = {seed: runner.check(_kernel_case(seed), only={"crash"})[1] for seed in range(8)}
+    finally:
+        runner.close()
+    assert [seed for seed, fs in found.items() if fs] == [3, 7], found
+    assert _died(found[3][0]) == ("rank 1 died: rank 1 died (exit code 0) during its 4th call; exit code 0 is no "
+                                  "signal: the process's own code exited; deaths in 1 case of this run")
+    assert _died(found[7][0]).startswith("rank 1 died: rank 1 died (exit code 0) during its 4th call; exit code 0 "
+                                         "is no signal: the process's own code exited; deaths recur across cases, "
+                                         "which no stray kill does; deaths in 2 cases of this run, the first on "
+                                         + _kernel_case(3).spec()), _died(found[7][0])
+    assert runner.events == []
+
+
+@pytest.mark.distributed
+def test_a_process_sigkilled_every_few_calls_is_a_crash_once_deaths_recur():
+    """Rank 1's process is SIGKILLed on its 5th call: a signal, so its first death, whose re-run
+    passes, is an infrastructure event; the second case that dies makes it a `crash` saying the
+    call and the count, and the event is the finding's from then on."""
+    runner = Runner("tests.targets.sigkilled_on_nth_call")
+    try:
+        found = {}
+        for seed in range(9):
+            found[seed] = runner.check(_kernel_case(seed), only={"crash"})[1]
+            if seed == 4:
+                assert len(runner.events) == 1 and "rank 1 died (exit code -9) during its 5th call" in runner.events[0]
+    finally:
+        runner.close()
+    assert [seed for seed, fs in found.items() if fs] == [8], found
+    assert _died(found[8][0]) == ("rank 1 died: rank 1 died (exit code -9) during its 5th call; deaths recur across "
+                                  "cases, which no stray kill does; deaths in 2 cases of this run, the first on "
+                                  + _kernel_case(4).spec())
+    assert runner.events == []
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name, died", [("exits_on_nth_call", r"died \(exit code 0\) during its \d+(st|nd|rd|th) call; "
+                                                              r"exit code 0 is no signal.*deaths in 1 case of this run"),
+                                        ("sigkilled_on_nth_call", r"died \(exit code -9\) during its \d+(st|nd|rd|th) "
+                                                                  r"call; deaths recur across cases.*deaths in 2 cases")])
+def test_check_exits_1_on_a_routine_that_ends_its_process_every_few_calls(tmp_path, name, died):
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "harness", "check", "--target", f"tests.targets.{name}", "--tp", "2",
+                           "--profile", "smoke", "-q", "-x", "--no-shrink", "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert [f["check"] for f in result["findings"]] == ["crash"], result["findings"]
+    assert re.search(died, result["findings"][0]["message"]), result["findings"][0]["message"]
+    assert result["infrastructure_events"] == []
 
 
 @pytest.mark.distributed

@@ -17,7 +17,7 @@ from harness.base.errors import TargetError
 from harness.cases.case import parse_case
 from harness.checks import script as scripts
 from harness.checks.families import config_key, where
-from harness.checks.findings import BEYOND_USE, IN_USE, Finding
+from harness.checks.findings import BEYOND_USE, IN_USE, Finding, gated
 from harness.checks.known import KnownFindings, load
 from harness.checks.problems import ENTROPY, LOG_PROB, Problem, output_of
 from harness.checks.terms import gradient_terms
@@ -245,3 +245,47 @@ def test_no_script_is_offered_where_it_would_need_the_harness() -> None:
     assert "part of the harness" in scripts.refusal(load_target("harness.targets.fused"), case, "gradients")
     assert "context" in scripts.refusal(load_target("harness.targets.peers.ms_swift"),
                                         case.replace(context="two_calls"), "gradients")
+
+
+def test_gate_fails_on_what_fail_on_names() -> None:
+    """`--fail-on in-use`: only new findings in the target's use fail; new and any: every new one."""
+    inside = Finding("values", "kernel", "kernel:tp=1,T=3,v_local=4", "off", "repro")
+    outside = Finding("empty-input", "kernel", "kernel:tp=1,T=0,v_local=4", "raised", "repro", use=BEYOND_USE)
+    assert gated([inside, outside], "in-use") == [inside] and gated([outside], "in-use") == []
+    assert gated([inside, outside], "new") == gated([inside, outside], "any") == [inside, outside]
+
+
+def test_check_fail_on_in_use_prints_beyond_use_findings_and_passes(harness_pools, tmp_path, capsys) -> None:
+    """A routine whose findings are all beyond its use: `check` exits 1 by default (new findings),
+    0 under `--fail-on in-use`, which still prints them."""
+    from harness.cli import main
+
+    beyond_all = ROUTINE.replace('{"where": {"T": 0}', '{"where": {}')
+    argv = ["check", "--target", _module(tmp_path, "beyond_all", beyond_all), "--tp", "1", "--profile", "smoke", "-q",
+            "--no-shrink", "--max-findings", "1"]
+    assert main(argv, pools=harness_pools) == 1
+    capsys.readouterr()
+    assert main(argv + ["--fail-on", "in-use"], pools=harness_pools) == 0
+    printed = capsys.readouterr().out
+    assert "BEYOND THE TARGET'S USE" in printed and "beyond the target's use: trainer/batches.py:12" in printed
+    assert "new finding(s) beyond the target's use: printed, not failing the run (--fail-on in-use)" in printed
+
+
+def test_pytest_fail_on_in_use_makes_beyond_use_findings_expected_failures(tmp_path) -> None:
+    """The pytest route's gate is `check`'s: a test whose findings are all beyond the target's use
+    fails by default and is an expected failure, naming them, under `--harness-fail-on in-use`."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CI")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    target = _module(tmp_path, "beyond_all", ROUTINE.replace('{"where": {"T": 0}', '{"where": {}'))
+
+    def suite(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "harness.conformance", "-p", "no:cacheprovider",
+                               "--harness-target", target, "--harness-tp", "1", "--harness-profile", "smoke",
+                               "-k", "test_corpus and empty", "-rx", *extra], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=240)
+
+    default = suite()
+    assert default.returncode == 1 and "failed" in default.stdout, default.stdout[-3000:] + default.stderr[-2000:]
+    gated_in_use = suite("--harness-fail-on", "in-use")
+    assert gated_in_use.returncode == 0 and "xfailed" in gated_in_use.stdout, gated_in_use.stdout[-3000:]
+    assert "beyond the target's use (--harness-fail-on in-use): trainer/batches.py:12" in gated_in_use.stdout

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from harness.base.errors import UsageError
@@ -19,6 +20,9 @@ from harness.cases.profiles import DEFAULT_PROFILE, PROFILES
 DEFAULT_TARGET = "harness.targets.fused"  # the built-in routine (a module path, as --target takes)
 
 COLLECTIVE_TIMEOUT_S = 20.0  # the gloo/NCCL timeout's default, for every front end and pool
+
+# `--fail-on`: what fails a run, or a test of the pytest route (`checks.findings.gated`).
+FAIL_ON = ("any", "new", "in-use")
 
 
 def tp_list(text: str) -> list[int]:
@@ -92,6 +96,7 @@ class Option:
     metavar: str | None = None
     cli_aliases: tuple[str, ...] = ()  # more flags on the CLI only (pytest owns some names, e.g. --strict)
     action: str | None = None  # "store_true" for a flag
+    path: bool = False  # a file: relative in an ini key, it is read from pytest's rootdir, not the working directory
 
     @property
     def dest(self) -> str:
@@ -125,11 +130,14 @@ OPTIONS: dict[str, Option] = {o.dest: o for o in (
            choices=tuple(sorted(PROFILES))),
     Option("--seed", "seed of the randomized cases", 0, seed_value),
     Option("--known", "TOML file of known findings (docs/known-findings.md): reported apart, they do not "
-           "fail the run; entries that match nothing are reported as stale", None, metavar="FILE"),
+           "fail the run; entries that match nothing are reported as stale", None, metavar="FILE", path=True),
     Option("--strict-known", "with the known-findings file: known findings and stale entries fail the run "
            "too (`--strict` on the CLI)", False, cli_aliases=("--strict",), action="store_true"),
     Option("--bitwise", "also run the opt-in bitwise checks (determinism, batch invariance) and "
            "print which hold per configuration", False, action="store_true"),
+    Option("--fail-on", "what fails the run: new findings (the default), any finding (known ones included), or "
+           "in-use: new findings in the target's use only (beyond-use ones are still printed)", "new",
+           choices=FAIL_ON),
 )}
 
 
@@ -176,7 +184,8 @@ NO_PYTEST_DEFAULT = ("target",)
 def pytest_value(config: Any, name: str) -> Any:
     """An option of the pytest route: the command line's, else the ini key's (parsed by the same
     validator), else the option's default (None for NO_PYTEST_DEFAULT). A bad ini value is a usage
-    error naming the key."""
+    error naming the key. An ini key's relative path is from pytest's rootdir, where the ini file
+    sits, so a session reads the same file from any directory; a flag's is from the working directory."""
     opt = OPTIONS[name]
     got = config.getoption(pytest_dest(name))
     if got is not None:
@@ -188,6 +197,8 @@ def pytest_value(config: Any, name: str) -> Any:
         return bool(ini)
     if opt.choices is not None and ini not in opt.choices:
         raise UsageError(f"ini {pytest_dest(name)} = {ini!r}: one of {', '.join(opt.choices)}")
+    if opt.path:
+        return str(Path(config.rootpath, ini))
     try:
         return opt.parse(ini) if opt.parse is not None else ini
     except UsageError as e:

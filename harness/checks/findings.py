@@ -35,6 +35,12 @@ class Finding:
         return asdict(self) | {"family": self.family}
 
 
+def gated(findings: list[Finding], fail_on: str) -> list[Finding]:
+    """The new findings that fail a run under `--fail-on` (`options.FAIL_ON`): under in-use, only
+    those in the target's use; the others are printed all the same."""
+    return [f for f in findings if f.use == IN_USE] if fail_on == IN_USE else findings
+
+
 def from_json(data: dict[str, Any]) -> Finding:
     """A finding of a result JSON (`to_json`) back."""
     return Finding(**{k: v for k, v in data.items() if k in Finding.__dataclass_fields__})

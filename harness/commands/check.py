@@ -1,6 +1,7 @@
 """`python -m harness check`: the regression corpus, then randomized cases at each TP size, each
 failure shrunk, with a repro line; then the features that extend it (the performance gate, the
-report). Exit codes: 0 no findings, 1 findings, 2 usage, target or infrastructure error."""
+report). Exit codes: 0 no findings, 1 findings (those `--fail-on` names: new ones by default, any
+including known ones, or new ones in the target's use only), 2 usage, target or infrastructure error."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +14,7 @@ from pathlib import Path
 from harness.base import options
 from harness.base.options import RunConfig
 from harness.cases.profiles import PROFILES
+from harness.checks.findings import gated
 from harness.driver import lifecycle, torchrun
 from harness.driver.explorer import explore, plan, run_corpus
 from harness.driver.limits import RunLimits
@@ -111,15 +113,20 @@ def cmd_check(ns: argparse.Namespace, cfg: RunConfig) -> int:
         print("\n" + (known_summary(runner, stopped) or f"no known findings ({runner.verdicts.known.path})"))
     if ns.json:
         Path(ns.json).write_text(json.dumps(result, indent=1))
-    known_fail = ns.strict_known and (any(e.matched for e in runner.verdicts.known.entries)
-                                      or (bool(runner.verdicts.known.stale) and not stopped))
-    return 1 if findings or known_fail else 0
+    failing = gated(findings, ns.fail_on)
+    if len(failing) < len(findings):
+        print(f"{len(findings) - len(failing)} new finding(s) beyond the target's use: printed, not failing the run "
+              f"(--fail-on {ns.fail_on})")
+    matched = any(e.matched for e in runner.verdicts.known.entries)
+    known_fail = (matched and (ns.strict_known or ns.fail_on == "any")) \
+        or (ns.strict_known and bool(runner.verdicts.known.stale) and not stopped)
+    return 1 if failing or known_fail else 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     check = sub.add_parser("check", help="run the randomized conformance checks against a target")
     options.add_argparse(check, ("target", "device", "collective_timeout", "case_timeout", "tp", "cp", "profile",
-                                 "seed", "known", "strict_known", "bitwise"))
+                                 "seed", "known", "strict_known", "bitwise", "fail_on"))
     check.add_argument("--json", metavar="FILE", help="write the results as JSON")
     check.add_argument("--no-shrink", action="store_true", help="report failures without shrinking them")
     check.add_argument("-q", "--quiet", action="store_true", help="no progress lines")

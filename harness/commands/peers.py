@@ -11,7 +11,9 @@ finishes, and are part of its row.
 
 A peer runs here when its routine does: its required modules are installed and the functions it
 adapts are found in them (`absent_here`), not when a folder of its package's name sits in the
-current directory (a namespace package holding none of its modules).
+current directory (a namespace package holding none of its modules). A peer whose adapter does not
+import here (NeMo-RL's tree on PYTHONPATH without hydra installed) is listed, and skipped, with the
+import's error: `--list` prints a line for every peer and exits 0.
 
 Exit codes, as `check`'s, once the matrix is written: 0 when no peer has a new finding (one its known
 file does not explain), 1 when one has, 2 when a peer's run failed to produce a result (usage,
@@ -50,6 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _why_not(peer: Peer, device: str) -> str | None:
+    if peer.unimportable:
+        return f"its adapter does not import here ({peer.unimportable})"
     missing = peer.missing()
     if missing:
         return f"not installed (no {', '.join(missing)}): {peer.install}"
@@ -101,12 +105,12 @@ def _said(row: dict[str, Any]) -> str:
 
 
 def cmd_peers(ns: argparse.Namespace, cfg: options.RunConfig) -> int:
-    extras.require("jinja2", "report", "harness peers (its report)")  # said before the run, not after it
     found = peers()
     if ns.list:
         for peer in found:
             print(f"{peer.name:16} {_why_not(peer, ns.device) or 'runs here'}\n{'':16} {peer.summary}")
         return 0
+    extras.require("jinja2", "report", "harness peers (its report)")  # said before the run, not after it
     unknown = set(ns.only or ()) - {p.name for p in found}
     if unknown:
         print(f"harness: error: unknown peer(s) {sorted(unknown)}; known: {[p.name for p in found]}", file=sys.stderr)

@@ -6,7 +6,10 @@ One test id per corpus entry (`test_corpus[wrapper-coef-zero-metric-only]`) and 
 randomized cases (`test_check[values-kernel-tp1-tp2-tp4]`, `test_check[gradients-kernel-tp2-dp2]`,
 `test_check[cp-invariance-wrapper-tp1-tp2-cp2]`), so `pytest -k 'tp2 and gradients'` selects. A
 check that cannot apply to a step on this target is skipped before any case is drawn, saying why; a
-failing check prints its shrunk case and repro line, as `check` prints it.
+failing check prints its shrunk case and repro line, as `check` prints it. A test fails when its
+findings are what `--harness-fail-on` (ini `harness_fail_on`) fails `check` on, so the session's exit
+code is `check`'s gate: new findings (the default); any, known ones included; or in-use, new findings
+in the target's use (those beyond it only: an expected failure, `-rx` lists them).
 """
 from __future__ import annotations
 
@@ -15,9 +18,10 @@ import pytest
 from harness.base.errors import TargetError
 from harness.cases.profiles import PROFILES
 from harness.checks import all_checks
+from harness.checks.findings import gated
 from harness.conformance.exploration import CheckOutcome, Session, Step, steps
 from harness.driver.explorer import corpus_cases
-from harness.plugin import launched, target_spec, unrewritten_imports, value
+from harness.plugin import PARTIAL, launched, target_spec, unrewritten_imports, value
 from harness.report.console import finding_blocks
 from harness.targets import load_target
 
@@ -92,6 +96,8 @@ def test_check(harness_session: Session, request: pytest.FixtureRequest, check_n
     outcome: CheckOutcome = harness_session.step(step, set(_checks_of(request.config, target, step)))[check_name]
     findings = harness_session.reported(outcome.findings)
     if not findings and not outcome.known and harness_session.stopped:
+        # no failing test need have stopped the session (under in-use, its first finding may be beyond the use)
+        request.config.stash[PARTIAL] = "the exploration stopped at the session's first finding (-x)"
         pytest.skip(f"{check_name} on {step.id}: not concluded, the exploration stopped at the session's first "
                     f"finding (-x)")
     if not outcome.applied and not outcome.findings and not outcome.known:
@@ -102,17 +108,24 @@ def test_check(harness_session: Session, request: pytest.FixtureRequest, check_n
 
 
 def _conclude(request: pytest.FixtureRequest, findings: list, known: list[str], what: str) -> None:
-    """Fail with the findings as `harness check` prints them (shrunk case first, repro line);
-    only known findings (of the checks `known`): an expected failure, a failure with
-    --harness-strict-known."""
-    if findings:
+    """A test fails when its findings are what `--harness-fail-on` fails a `check` run on, with
+    all of them as `check` prints them (shrunk case first, repro line). Under in-use, new findings
+    beyond the target's use only: an expected failure naming them. Known findings only (of the
+    checks `known`): an expected failure, a failure with --harness-strict-known or under any."""
+    fail_on = value(request.config, "fail_on")
+    if gated(findings, fail_on):
         pytest.fail("\n".join(finding_blocks(findings)).strip(), pytrace=False)
+    if findings:
+        pytest.xfail(f"{len(findings)} new finding(s) beyond the target's use (--harness-fail-on {fail_on}): "
+                     f"{findings[0].beyond}; e.g. {findings[0].repro}")
     if known:
         reason = f"known findings (--harness-known) in {what}"
         runner = request.getfixturevalue("harness_runner")
         matched = [f for f in runner.verdicts.known_findings if f.known and f.check in known]
         if matched:
             reason = f"known: {matched[-1].known}; e.g. {matched[-1].repro}"
+        if fail_on == "any":
+            pytest.fail(f"{reason} (--harness-fail-on any)", pytrace=False)
         if value(request.config, "strict_known"):
             pytest.fail(f"{reason} (--harness-strict-known)", pytrace=False)
         pytest.xfail(reason)

@@ -94,6 +94,7 @@ class WorkerPool:
         self.stuck_events = 0
         self.killed: set[int] = set()  # pids this pool killed itself (`close`): their death is not the routine's
         self.events: list[str] = []  # what went wrong in the infrastructure and was recovered (`restart`)
+        self.calls: list[int] = []  # per rank: the jobs its current process has been sent (`submit`)
         self.parked = False
         self._submitted = self._deadline = 0.0  # the job in flight (`submit`)
         self.idle_since: float | None = None  # when its last job was collected; None while one is in flight
@@ -148,6 +149,7 @@ class WorkerPool:
         label = f"tp{self.tp}" + (f"cp{self.cp}" if self.cp > 1 else "") + (f"dp{self.dp}" if self.dp > 1 else "")
         self.store_dir = tempfile.mkdtemp(prefix=f"harness-{label}-")
         self.board = ProgressBoard(ctx, self.world)
+        self.calls = [0] * self.world
         for rank in range(self.world):
             parent, child = ctx.Pipe()
             # get_context(str) is typed as the BaseContext, which declares no Process; every start method's has one.
@@ -253,7 +255,10 @@ class WorkerPool:
                     self.procs[r].join(1.0)  # reap it, so the exit code is known
                     exit_code = self.procs[r].exitcode
                     by_us = " (killed by the harness)" if self.procs[r].pid in self.killed else ""
-                    replies[r] = self._result(r, f"{self.name(r)} died (exit code {exit_code}){by_us}", "died")
+                    call = self.calls[r]
+                    when = f" during its {nth(call)} call" if call else " while starting"
+                    replies[r] = self._result(r, f"{self.name(r)} died (exit code {exit_code}){when}{by_us}", "died")
+                    replies[r].exit_code, replies[r].call = exit_code, call
             if board is not None and pending:
                 now = time.monotonic()
                 running = sorted(pending.values())
@@ -312,6 +317,7 @@ class WorkerPool:
             self.board.reset()
         self._submitted = time.monotonic()
         self._deadline = self._submitted + deadline_s
+        self.calls = [n + 1 for n in self.calls]
         for conn, args in zip(self.conns, args_per_rank, strict=True):
             try:
                 conn.send((fn_path, args))
@@ -403,6 +409,12 @@ class WorkerPool:
             lifecycle._restore_driver_threads()
 
 
+
+
+def nth(n: int) -> str:
+    """1st, 2nd, 3rd, 4th, ..., 11th, 12th, 13th, ..., 21st."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def meanwhile(work: Callable[[], Any] | None) -> None:

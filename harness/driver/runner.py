@@ -50,7 +50,14 @@ def _deaths(results: list[RankResult]) -> list[RankResult]:
     return [r for r in results if r.error_kind == "died"]
 
 
+def _own_deaths(results: list[RankResult]) -> list[RankResult]:
+    """The deaths in a job that the harness did not cause (`WorkerPool.close` kills the ranks it replaces)."""
+    return [r for r in _deaths(results) if "killed by the harness" not in str(r.error)]
+
+
 CONFIRMED = "confirmed on re-run in a fresh pool"
+EXITED_ZERO = "exit code 0 is no signal: the process's own code exited"
+RECURRED = "deaths recur across cases, which no stray kill does"
 
 
 def _needs_rebuild(results: list[RankResult]) -> bool:
@@ -115,6 +122,8 @@ class Runner:
         self._probes: dict[tuple[str, Case], list[str] | None] = {}  # (check, case) -> its problems (`probe`)
         self._in_flight = False  # a job is on the pools: the main process's work may not start another
         self.events: list[str] = []  # infrastructure events: what went wrong that is not the routine's doing
+        self._death_cases: list[str] = []  # the cases of this run in which a rank died (`_rerun_death`)
+        self._death_events: list[str] = []  # the events those deaths gave, until a death is a finding
 
     @classmethod
     def for_run(cls, cfg: RunConfig, target: str | None = None) -> "Runner":
@@ -252,23 +261,40 @@ class Runner:
 
     def _rerun_death(self, case: Case, pool: WorkerPool, meter_memory: bool,
                      results: list[RankResult]) -> list[RankResult]:
-        """A rank died: the case again, once, on the fresh pool its death left. A death is the
-        routine's (`crash`) only when the harness did not kill the rank and the case dies again:
-        then the re-run's results, each death saying it was confirmed. Otherwise the re-run's
-        results stand, and the death is an infrastructure event of the run, not a finding (a rank
-        killed by something outside the routine: a signal from elsewhere, memory pressure)."""
+        """A rank died: the case again, once, on the fresh pool its death left. A death the harness
+        did not cause is the routine's (`crash`) when the case dies again (the re-run's results are
+        the case's, each death saying it was confirmed), when its process exited with code 0 (its
+        own code exited: no signal does that), or when deaths recur across two or more cases of
+        the run (a routine that ends its process every few calls passes the re-run, whose process
+        counts its calls afresh; no stray kill recurs). Then the first run's results are the
+        case's, each death saying why it is a finding. Otherwise the re-run's results stand and the
+        death is an infrastructure event of the run, not a finding (a rank killed by something
+        outside the routine: a signal from elsewhere, memory pressure), until another case dies."""
         again = by_group(pool.call(CASE_JOB, [(case, self.target.spec, meter_memory)] * pool.world,
                                    self._deadline(pool)))
         self._called_on.add(_workers(pool))
-        died = [r for r in _deaths(again) if "killed by the harness" not in str(r.error)]
-        if died:
-            for r in died:
-                r.error = f"{r.error}; {CONFIRMED}"
-            return again
-        first = "; ".join(str(r.error) for r in _deaths(results))
-        self.events.append(f"{first} on {case.spec()}; the case ran again in a fresh pool "
-                           + ("without a death" if not _deaths(again) else "and only the harness killed a rank")
-                           + ": not a finding")
+        first, died = _own_deaths(results), _own_deaths(again)
+        reasons = [CONFIRMED] if died else [EXITED_ZERO] if any(r.exit_code == 0 for r in first) else []
+        if first or died:
+            self._death_cases.append(case.spec())
+            if len(self._death_cases) > 1:
+                reasons.append(RECURRED)
+        if reasons:
+            # The events of the earlier deaths are this finding's now, counted and the first named in it.
+            self.events[:] = [e for e in self.events if e not in self._death_events]
+            self._death_events.clear()
+            n = len(self._death_cases)
+            count = f"deaths in {n} case{'s' if n > 1 else ''} of this run" + (
+                f", the first on {self._death_cases[0]}" if n > 1 else "")
+            for r in died or first:
+                r.error = f"{r.error}; {'; '.join(reasons)}; {count}"
+            return again if died else results
+        deaths = "; ".join(str(r.error) for r in _deaths(results))
+        event = (f"{deaths} on {case.spec()}; the case ran again in a fresh pool "
+                 + ("without a death" if not _deaths(again) else "and only the harness killed a rank")
+                 + ": not a finding")
+        self.events.append(event)
+        self._death_events.append(event)
         return again
 
     def has_run(self, case: Case) -> bool:

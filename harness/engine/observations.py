@@ -99,6 +99,10 @@ class RankResult:
     replica: int = 0  # the data-parallel replica whose TP group this rank is in (`rank` is the TP rank)
     cp_rank: int = 0  # the context-parallel rank whose TP group this rank is in
     groups: tuple[int, int] = (1, 1)  # (CP size, DP size) of the world: how many TP groups it has
+    # A rank that died (the pool's own result): its process's exit status, negative for the signal
+    # that ended it, and how many jobs the process had been sent, this one included.
+    exit_code: Optional[int] = None
+    call: int = 0
 
     @property
     def group_name(self) -> str:

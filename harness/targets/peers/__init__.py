@@ -50,6 +50,9 @@ class Peer:
     cuda_only: bool
     known: Path | None  # NAME.known.toml, when there is one
     profile: str = DEFAULT_PROFILE  # the one `harness peers` checks it at
+    # Why its adapter does not import here ("" when it does): a peer's tree on sys.path whose routine's
+    # file imports a module not installed (NeMo-RL's imports hydra); its declaration is then unread.
+    unimportable: str = ""
 
     def missing(self) -> list[str]:
         """The required modules that are not importable here."""
@@ -227,19 +230,38 @@ def absent_here(spec: str) -> str | None:
 
 
 def peers() -> list[Peer]:
-    """Every adapter in this package, in name order."""
+    """Every adapter in this package, in name order; one that does not import here is listed with
+    why (`Peer.unimportable`), so that one peer's missing dependency does not hide the others."""
     out = []
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         if info.name.startswith("_"):
             continue  # shared helpers, not peers
         spec = f"{__name__}.{info.name}"
-        module = importlib.import_module(spec)
+        try:
+            module = importlib.import_module(spec)
+        except ImportError as e:
+            out.append(Peer(info.name, spec, (), "", (), _docstring(Path(__path__[0]) / f"{info.name}.py"), False, None,
+                            unimportable=f"{type(e).__name__}: {e}"))
+            continue
         meta = declaration_of(module).peer
         if meta is None:
             raise TargetError(f"{spec} is in the peers' package but declares no peer: HARNESS = Declaration(peer=...)")
         target = load_target(spec)
         out.append(Peer(info.name, spec, tuple(meta["requires"]), meta["install"], tuple(meta["upstream"]),
-                        " ".join((module.__doc__ or "").strip().split("\n\n")[0].split()), not target.supports("cpu"),
+                        _summary(module.__doc__), not target.supports("cpu"),
                         known if (known := Path(__path__[0]) / f"{info.name}.known.toml").exists() else None,
                         meta.get("profile", DEFAULT_PROFILE)))
     return out
+
+
+def _summary(doc: str | None) -> str:
+    """A module docstring's first paragraph, on one line."""
+    return " ".join((doc or "").strip().split("\n\n")[0].split())
+
+
+def _docstring(file: Path) -> str:
+    """The summary of an adapter that does not import, read from its source."""
+    try:
+        return _summary(ast.get_docstring(ast.parse(file.read_text(encoding="utf-8"))))
+    except (OSError, SyntaxError):
+        return ""
