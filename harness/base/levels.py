@@ -58,7 +58,6 @@ class Level:
     expected: Callable[[Any], Any]
     evidence: frozenset[str]
     counts: Counts
-    doc: str
     judge: Any = None
     terms: Any = None
     expected_on: Callable[[Any, int], Any] | None = None

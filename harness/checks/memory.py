@@ -214,13 +214,11 @@ def allowance(c: Any, meter: str) -> int:
 
 
 class LogitsMemory:
-    """The memory rules of a level whose routine takes vocab-sharded logits (the kernel's, the
-    distillation level's): a non-contiguous view of them may be copied to a contiguous float32
-    buffer, which the routine may save. `on_logits_scale`: its memory is weighed in multiples of the
-    logits' T*V_local*4 (`HARNESS_MEMORY_BUDGET`, the report's memory table)."""
-
-    def __init__(self, on_logits_scale: bool = True):
-        self.on_logits_scale = on_logits_scale
+    """The memory rules of a level whose routine takes vocab-sharded logits (the kernel's): a
+    non-contiguous view of them may be copied to a contiguous float32 buffer, which the routine may
+    save. `on_logits_scale`: its memory is weighed in multiples of the logits' T*V_local*4
+    (`HARNESS_MEMORY_BUDGET`, the report's memory table)."""
+    on_logits_scale = True
 
     def allowance(self, c: Any, meter: str) -> int:
         units = 1.0 if getattr(c, "layout", "contiguous") in NONCONTIGUOUS else 0.0
@@ -234,9 +232,18 @@ class LogitsMemory:
         return False
 
     def logits_inputs(self, c: Any) -> int:
-        """How many [T, V_local] logits the call takes: the student's, and a distillation teacher's
-        handed over whole (full and top-k teachers; a teacher pass's [T, K] top-k is not logits)."""
-        return 2 if getattr(c, "function", None) == "divergence" and getattr(c, "teacher", "given") != "given" else 1
+        """How many [T, V_local] logits the call takes."""
+        return 1
+
+
+class DistillMemory(LogitsMemory):
+    """The distillation level's: held to no budget (memory-no-vocab-gather weighs it), and a divergence
+    from a teacher handed over whole (full and top-k teachers; a teacher pass's [T, K] top-k is not
+    logits) takes two logits inputs, the student's and the teacher's."""
+    on_logits_scale = False
+
+    def logits_inputs(self, c: Any) -> int:
+        return 2 if c.function == "divergence" and c.teacher != "given" else 1
 
 
 class WrapperMemory(LogitsMemory):
@@ -255,8 +262,7 @@ class LinearMemory(LogitsMemory):
     """The fused-linear level's: float32 copies of the half-precision inputs, and each gradient asked for;
     held to O(T*H) (memory-linear-retained), not to the logits' scale."""
 
-    def __init__(self) -> None:
-        super().__init__(on_logits_scale=False)
+    on_logits_scale = False
 
     def allowance(self, c: Any, meter: str) -> int:
         upcast = 0 if DTYPES[c.dtype] == DTYPES["fp32"] else 4 * c.H * (c.T + c.v_local)

@@ -20,30 +20,30 @@ KEY_OUTPUTS = {"log_prob": LOG_PROB, "log_probs": LOG_PROB, "entropy": ENTROPY, 
 
 class Problem(str):
     """One thing wrong, as a check found it. `output`: "log-prob", "entropy", "gradient" or "" (no
-    output named); `rank`, `index`, `actual`, `expected`, `bound`: where a comparison found it worst."""
+    output named); `index`, `actual`, `expected`, `bound`: where a comparison found it worst (the
+    rank is in the sentence, as the check's `what` names it)."""
     output: str
-    rank: int | None
     index: tuple[int, ...] | None
     actual: float | None
     expected: float | None
     bound: float | None
 
-    def __new__(cls, text: str, output: str = "", *, rank: int | None = None, index: tuple[int, ...] | None = None,
+    def __new__(cls, text: str, output: str = "", *, index: tuple[int, ...] | None = None,
                 actual: float | None = None, expected: float | None = None, bound: float | None = None) -> "Problem":
         if output and output not in OUTPUTS:
             raise ValueError(f"a problem is about one of {OUTPUTS} or nothing, not {output!r}")
         self = super().__new__(cls, text)
-        self.output, self.rank, self.index = output, rank, index
+        self.output, self.index = output, index
         self.actual, self.expected, self.bound = actual, expected, bound
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (str(self), self.output, self.rank, self.index, self.actual, self.expected, self.bound))
+        return (_rebuild, (str(self), self.output, self.index, self.actual, self.expected, self.bound))
 
 
-def _rebuild(text: str, output: str, rank: int | None, index: tuple[int, ...] | None, actual: float | None,
+def _rebuild(text: str, output: str, index: tuple[int, ...] | None, actual: float | None,
              expected: float | None, bound: float | None) -> Problem:
-    return Problem(text, output, rank=rank, index=index, actual=actual, expected=expected, bound=bound)
+    return Problem(text, output, index=index, actual=actual, expected=expected, bound=bound)
 
 
 def about(output: str, problems: list[str]) -> list[str]:

@@ -419,8 +419,9 @@ class Runner:
 
     def about(self, chk: Check, ev: Evidence, problems: list[str]) -> list[tuple[str, str, list[str]]]:
         """A failing check's problems split by family (`checks.families`): (term, context, problems).
-        A `terms` check's problems go to the output each is about (`Problem.output`); a gradient's to the terms of the loss
-        it comes from, told by the case with each term alone when both are in it (`terms.gradient_terms`).
+        A `terms` check's problems go to the output each is about (`Problem.output`); a gradient's to
+        the terms of the loss it comes from, told by the case with each term alone when both are in it
+        (`terms.gradient_terms`).
         A call context is the family's when the same case on the plain path passes (or the check
         applies only in that context)."""
         by_term: dict[str, list[str]] = {}

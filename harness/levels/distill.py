@@ -11,7 +11,7 @@ from harness.cases.case import DistillCase
 from harness.cases.strategies import distill_cases
 from harness.checks import oracle
 from harness.checks.distill import DISTILL_JUDGE
-from harness.checks.memory import LogitsMemory
+from harness.checks.memory import DistillMemory
 from harness.checks.scripts.distill import DISTILL_SCRIPT
 from harness.engine.executor import run_distill
 from harness.targets import DISTILL, Contract
@@ -38,9 +38,8 @@ LEVEL = register(Level(
     run=run_distill,
     expected=oracle.distill_expected,
     judge=DISTILL_JUDGE,
-    memory=LogitsMemory(on_logits_scale=False),  # held to no budget: memory-no-vocab-gather weighs it
+    memory=DistillMemory(),
     script=DISTILL_SCRIPT,
     evidence=frozenset({"call", "empty-call", "no-grad-call", "oracle", "divergence", "memory", "memory-logits"}),
     counts=Counts(cases={"smoke": 6, "ci": 40, "thorough": 400}, dp={"ci": 4, "thorough": 60}),
-    doc="log-softmax, top-k, gathered log-probs and divergences of vocab-sharded student and teacher logits",
 ))

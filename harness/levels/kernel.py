@@ -34,5 +34,4 @@ LEVEL = register(Level(
     evidence=frozenset({"call", "empty-call", "no-grad-call", "oracle", "repeatable", "batch-rows", "memory",
                         "memory-allowance", "metric-only-entropy", "memory-logits"}),
     counts=Counts(cases={"smoke": 12, "ci": 150, "thorough": 1200}, dp={"ci": 24, "thorough": 300}),
-    doc="log-probs and entropy of vocab-sharded logits, one per token",
 ))

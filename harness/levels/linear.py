@@ -37,5 +37,4 @@ LEVEL = register(Level(
     evidence=frozenset({"call", "empty-call", "oracle", "memory", "memory-allowance", "metric-only-entropy",
                         "memory-logits", "linear-memory", "matmul-work"}),
     counts=Counts(cases={"smoke": 4, "ci": 30, "thorough": 300}),
-    doc="log-probs and entropy of hidden states through a vocab-sharded LM head, fused",
 ))

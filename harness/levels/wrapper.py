@@ -37,5 +37,4 @@ LEVEL = register(Level(
                         "memory-logits"}),
     counts=Counts(cases={"smoke": 5, "ci": 40, "thorough": 400}, dp={"ci": 6, "thorough": 80},
                   cp={"smoke": 2, "ci": 8, "thorough": 60}),
-    doc="per-sample log-probs and entropy of a packed batch, as the trainer's loss calls them",
 ))

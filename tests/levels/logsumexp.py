@@ -122,5 +122,4 @@ LEVEL = register(Level(
     name=NAME, case_class=LseCase,
     contracts={NAME: Contract("calculate_logsumexp", ("logits", "tp_group"), dict(chunk_size=-1))},
     strategy=lse_cases, run=run, expected=expected, judge=LseJudge(),
-    evidence=frozenset({"call", "oracle"}), counts=Counts(cases={"smoke": 8, "ci": 12}),
-    doc="the per-token log-sum-exp of vocab-sharded logits"))
+    evidence=frozenset({"call", "oracle"}), counts=Counts(cases={"smoke": 8, "ci": 12})))

@@ -5,20 +5,9 @@ tell it from a stray kill."""
 import os
 import signal
 
-import torch.distributed as dist
-
 from harness.targets import fused
+from tests.targets.exits_on_nth_call import kernel_dying_on
 
 CALL = 5
 get_log_probs_and_entropy = fused.get_log_probs_and_entropy
-_calls = 0
-
-
-def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
-                                    log_prob_keep_mask=None, with_entropy_grad=True):
-    global _calls
-    _calls += 1
-    if _calls == CALL and dist.get_rank(tp_group) == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return fused.calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy, chunk_size,
-                                                 log_prob_keep_mask, with_entropy_grad)
+calculate_log_probs_and_entropy = kernel_dying_on(CALL, lambda: os.kill(os.getpid(), signal.SIGKILL))
