@@ -17,7 +17,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from harness.cases.case import parse_case
+from harness.cases.case import CASE_TYPES, parse_case
 
 if TYPE_CHECKING:
     from harness.targets import Contract
@@ -88,12 +88,14 @@ def register(level: Level) -> Level:
         raise ValueError(f"level {level.name!r}: its case class {level.case_class.__name__} has level "
                          f"{getattr(level.case_class, 'level', None)!r}")
     _registered[level.name] = level
+    CASE_TYPES[level.name] = level.case_class  # what `parse_case` reads (again, after an `unregister`)
     return level
 
 
 def unregister(name: str) -> None:
-    """Take a level added with `register` out again (a test's probe level)."""
+    """Take a level added with `register` out again, and its case class from `parse_case`'s (a test's probe level)."""
     _registered.pop(name, None)
+    CASE_TYPES.pop(name, None)
 
 
 def _load() -> None:
