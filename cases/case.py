@@ -9,12 +9,11 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-REGIMES = ("normal", "peaked", "huge", "ties", "neginf")
 MASKS = ("none", "random", "drop_target", "only_target")
 TOP_P = ("none", "nucleus", "partial")
 LOSS_TERMS = ("both", "log_prob", "entropy")
@@ -54,19 +53,44 @@ def _generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def _peaked(g: torch.Generator, x: torch.Tensor) -> torch.Tensor:
+    """One confident entry per row: where uniform inputs hide padding and max-subtraction bugs."""
+    rows, vocab = x.shape
+    spike = torch.randint(0, vocab, (rows,), generator=g)
+    x[torch.arange(rows), spike] += 12.0 + 6.0 * torch.rand(rows, generator=g, dtype=torch.float64)
+    return x
+
+
+def _far_tail(g: torch.Generator, x: torch.Tensor) -> torch.Tensor:
+    """About half of each row's entries 50 to 110 below the rest, its largest entry kept among the
+    rest: log-probs from about -50 to -115, where float32's own floors are (its smallest normal's log
+    is -87, its smallest subnormal's -103) and where `log(p + eps)` (eps 1e-10 floors at -23, 1e-20
+    at -46) or a clamp of the log-probs or logits is wrong. The answer `x_t - lse` is an ordinary
+    float32 number there: nothing in the contract's arithmetic floors it."""
+    rows, vocab = x.shape
+    far = torch.rand(rows, vocab, generator=g) < 0.5
+    if vocab:
+        far[torch.arange(rows), x.argmax(-1)] = False
+    depth = 50.0 + 60.0 * torch.rand(rows, vocab, generator=g, dtype=torch.float64)
+    return torch.where(far, x - depth, x)
+
+
+# The logits regimes of the kernel and wrapper levels, one entry each: how a row of N(0, 1) logits
+# (drawn first, from the case's generator) is turned into the regime's. `REGIMES` lists them.
+LOGIT_REGIMES: dict[str, Callable[[torch.Generator, torch.Tensor], torch.Tensor]] = {
+    "normal": lambda g, x: x,
+    "peaked": _peaked,
+    "huge": lambda g, x: (x * 1.0e4).clamp(-3.0e4, 3.0e4),  # stays finite in fp16
+    "ties": lambda g, x: torch.randint(0, 3, x.shape, generator=g).to(torch.float64),
+    "neginf": lambda g, x: x.masked_fill(torch.rand(x.shape, generator=g) < 0.3, -math.inf),
+    "fartail": _far_tail,
+}
+REGIMES = tuple(LOGIT_REGIMES)
+
+
 def _logits(g: torch.Generator, rows: int, vocab: int, regime: str, dtype: torch.dtype) -> torch.Tensor:
     x = torch.randn(rows, vocab, generator=g, dtype=torch.float64)
-    if regime == "peaked":
-        # One confident entry per row: where uniform inputs hide padding and max-subtraction bugs.
-        spike = torch.randint(0, vocab, (rows,), generator=g)
-        x[torch.arange(rows), spike] += 12.0 + 6.0 * torch.rand(rows, generator=g, dtype=torch.float64)
-    elif regime == "huge":
-        x = (x * 1.0e4).clamp(-3.0e4, 3.0e4)  # stays finite in fp16
-    elif regime == "ties":
-        x = torch.randint(0, 3, (rows, vocab), generator=g).to(torch.float64)
-    elif regime == "neginf":
-        x = x.masked_fill(torch.rand(rows, vocab, generator=g) < 0.3, -math.inf)
-    return x.to(dtype)
+    return LOGIT_REGIMES[regime](g, x).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -527,7 +551,7 @@ class LinearCase(CaseBase):
 DISTILL_FUNCTIONS = ("divergence", "log_softmax", "topk", "gather")
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "mixed", "soft_ce")
 TEACHERS = ("full", "topk", "given")
-DISTILL_REGIMES = ("normal", "peaked", "ties", "neginf", "disjoint")
+DISTILL_REGIMES = ("normal", "peaked", "ties", "neginf", "disjoint", "fartail")
 DISTILL_CONTEXTS = ("train", "no_grad")
 _DISTILL_SCALE = 2.0  # logits N(0, 2^2): distributions neither uniform nor one-hot
 _DISTILL_EDGE = 8.0  # a planted top entry on a shard edge stands this far above the rest
@@ -650,15 +674,26 @@ class DistillCase(CaseBase):
             for row in range(min(T, len(edges))):
                 s[row, edges[row]] = s[row].max() + _DISTILL_EDGE
                 t[row, edges[-1 - row]] = t[row].max() + _DISTILL_EDGE
+        if self.regime == "fartail" and T and V > 1:
+            # The teacher's top entries (a quarter of the row, at least one) at the student's far tail,
+            # 50 to 110 below the student's largest other entry: the student's log-probs at the
+            # teacher's top-k and at the gathered ids reach -50 to -115, as `_far_tail`'s do.
+            top = torch.sort(t, dim=-1, descending=True, stable=True).indices[:, :max(1, V // 4)]
+            depth = 50.0 + 60.0 * torch.rand(top.shape, generator=g, dtype=torch.float64)
+            near = s.scatter(-1, top, -math.inf).amax(-1, keepdim=True)
+            s = s.scatter(-1, top, near - depth)
         if self.regime == "neginf" and T:
-            # A masked vocabulary, the same entries -inf in both: the padded tail (its last quarter, as
-            # a vocabulary padded to a multiple of the TP size ends in whole shards at TP 4) and 30% of
-            # the rest; each row keeps a finite entry, and its planted edges.
+            # A masked vocabulary, the same entries -inf in both: the padded tail (as a vocabulary padded
+            # to a multiple of the TP size ends in whole shards: its last quarter, a whole shard at TP 4,
+            # and in every other row its last half, a whole shard at TP 2) and 30% of the rest; each row
+            # keeps a finite entry before its tail, and its planted edges there.
+            odd = torch.arange(T) % 2 == 1
+            tail = torch.where(odd, V // 2, V // 4)
             masked = torch.rand(T, V, generator=g) < 0.3
-            masked[torch.arange(T), torch.randint(0, V - V // 4, (T,), generator=g)] = False
+            masked[torch.arange(T), torch.randint(0, V - V // 4, (T,), generator=g) % (V - tail)] = False
             for row in range(min(T, len(edges))):
                 masked[row, [edges[row], edges[-1 - row]]] = False
-            masked[:, V - V // 4:] = True
+            masked |= torch.arange(V) >= (V - tail).unsqueeze(-1)
             s, t = s.masked_fill(masked, -math.inf), t.masked_fill(masked, -math.inf)
         if self.support_from_logits and self.width < V and T:
             # The routine picks the support: no tie at the k-th place (docs/contract.md) in the values it

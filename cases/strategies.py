@@ -5,6 +5,8 @@ Lists are ordered simplest first: Hypothesis shrinks towards the front.
 """
 from __future__ import annotations
 
+import random
+
 from hypothesis import strategies as st
 
 from harness.cases.case import (
@@ -15,6 +17,7 @@ from harness.cases.case import (
     DISTILL_REGIMES,
     DIVERGENCES,
     DRIFT,
+    DTYPES,
     FROZEN,
     HIDDEN_VIEWS,
     LAYOUTS,
@@ -138,7 +141,7 @@ def wrapper_cases(draw, tp=st.sampled_from(TP_SIZES), top_p: bool | None = None,
         chunk_size=_chunk(draw, sum(totals)),
         with_entropy=entropy and draw(st.booleans()),
         top_p=draw(st.sampled_from(top_p_options)),
-        regime=draw(st.sampled_from(("normal", "peaked", "ties", "huge"))),
+        regime=draw(st.sampled_from(("normal", "peaked", "ties", "huge", "fartail"))),
         seed=draw(SEEDS),
         dp=draw(dp),
         **_how_called(draw),
@@ -228,3 +231,58 @@ def distill_cases(draw, tp=st.sampled_from(TP_SIZES), dtype=st.sampled_from(("fp
                                                st.sampled_from(DISTILL_CONTEXTS))))
 
 
+
+
+# Every combination the distillation contract names for a divergence (docs/distill.md): kind x teacher x
+# renormalization, each at a temperature other than 1 where the contract allows one (a teacher pass's
+# top-k used as given, not renormalized, is taken at temperature 1). A full teacher's support is the whole
+# vocabulary, where renormalizing changes nothing: its kinds are taken once each.
+DISTILL_COMBINATIONS: tuple[tuple[str, str, bool], ...] = tuple(
+    (kind, teacher, renormalize) for teacher in TEACHERS for renormalize in ((True,) if teacher == "full" else
+                                                                             (True, False)) for kind in DIVERGENCES)
+# And each other function (the gather renormalized or not) in the far tail, where a floor (`log(p + eps)`)
+# or a clamp of the log-probs hides: the student's log-probs at the gathered ids reach -50 to -115.
+FAR_TAIL_FUNCTIONS: tuple[tuple[str, bool], ...] = (("log_softmax", True), ("topk", True), ("gather", True),
+                                                    ("gather", False))
+
+
+def distill_cover(tps: list[int], seed: int, budget: int, dp: int = 1) -> list[DistillCase]:
+    """The covering draw of the distillation level: one divergence case per combination of
+    `DISTILL_COMBINATIONS` (the regimes in turn, so that the far tail meets every kind), then one case of
+    each of `FAR_TAIL_FUNCTIONS` in the far tail; the TP sizes assigned round-robin (shifted by the
+    seed, so that seeds rotate each combination over the sizes), every other field drawn from the seed.
+    A random draw of `budget` cases would miss some of them (a defect of one combination is then found
+    or not by the seed and the TP sizes); the explorer runs these first, in the budget, and draws the
+    rest at random. None when the budget cannot hold them and a random case besides.
+
+    Each case can show its combination's defects: T >= 1, a support of 2 <= k < V entries (where a
+    renormalization and a temperature change the values), a weight other than 1/2 (where swapping a
+    mixture's weights changes it), a teacher other than the student."""
+    slots = [(DISTILL_FUNCTIONS[0], kind, teacher, renormalize) for kind, teacher, renormalize in DISTILL_COMBINATIONS] \
+        + [(function, DIVERGENCES[0], TEACHERS[0], renormalize) for function, renormalize in FAR_TAIL_FUNCTIONS]
+    if budget <= len(slots) or not tps:
+        return []
+    rng = random.Random(f"distill-cover:{seed}:{dp}")
+    cases = []
+    for i, (function, kind, teacher, renormalize) in enumerate(slots):
+        tp = tps[(i + seed) % len(tps)]
+        # Small shapes mostly, as the random draws' (which start from the simplest): T 1-16, V_local 3-16
+        # (room for 2 <= k < V, and for a support within one shard, where a gather of the whole vocabulary shows).
+        T = rng.choice((1, 2, 3, 5, 7, rng.randint(1, 16)))
+        v_local = rng.choice((4, 3, 5, 7, 8, rng.randint(3, 16)))
+        k = rng.choice([c for c in (2, 4, 7, v_local, v_local + 1) if 2 <= c < tp * v_local] or [2])
+        divergence = function == DISTILL_FUNCTIONS[0]
+        if divergence:  # the regimes in turn; a temperature other than 1 where the contract allows one
+            regime = DISTILL_REGIMES[(i + seed) % len(DISTILL_REGIMES)]
+            temperature = 1.0 if teacher == "given" and not renormalize else rng.choice((0.7, 2.0))
+        else:  # the far tail at temperatures that keep it below -50
+            regime, temperature = "fartail", rng.choice((1.0, 0.7))
+        cases.append(DistillCase(
+            tp=tp, T=T, v_local=v_local, function=function, kind=kind, teacher=teacher, k=k,
+            beta=rng.choice((0.1, 0.9)), renormalize=renormalize if teacher != "full" or not divergence
+            else rng.random() < 0.5, temperature=temperature,
+            dtype=rng.choice(tuple(DTYPES)), regime=regime, chunk_size=rng.choice((-1, 1, 2, T + 3)),
+            requires_grad=function != "topk", teacher_grad=divergence and teacher != "given" and rng.random() < 0.25,
+            seed=rng.randrange(2**31), dp=dp, layout=rng.choice((LAYOUTS[0],) + LAYOUTS),
+            context=DISTILL_CONTEXTS[1] if rng.random() < 1 / 6 else DISTILL_CONTEXTS[0]))
+    return cases

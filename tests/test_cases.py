@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.cases.case import KernelCase, WrapperCase, parse_case
+from harness.cases.case import REGIMES, KernelCase, WrapperCase, parse_case
 from harness.cases.corpus import CORPUS
 from harness.cases.strategies import kernel_cases, wrapper_cases
 from harness.checks import all_checks
@@ -99,7 +99,7 @@ def test_the_kernel_strategy_covers_the_corners():
     assert 1 in seen["v"] and seen["v"] & {3, 5, 7, 13}
     assert seen["chunk"] == {"whole", "over", "one", "part"}
     assert seen["dtype"] == {"fp32", "bf16", "fp16"} and seen["tp"] == {1, 2, 4}
-    assert seen["regime"] == {"normal", "peaked", "huge", "ties", "neginf"}
+    assert seen["regime"] == {"normal", "peaked", "huge", "ties", "neginf", "fartail"} == set(REGIMES)
     assert seen["mask"] == {"none", "random", "drop_target", "only_target"}
 
 
@@ -134,3 +134,18 @@ def test_half_precision_wrapper_logits_are_drawn_without_temperature_and_float32
     assert dtypes == {"fp32", "bf16", "fp16"}
     case = WrapperCase(tp=2, v_local=3, total_lengths=(3,), response_lengths=(1,))
     assert "dtype" not in case.spec() and parse_case(case.replace(dtype="bf16").spec()).dtype == "bf16"
+
+
+def test_regimes_are_one_registry_entry_each_and_existing_draws_are_unchanged():
+    """`LOGIT_REGIMES` holds each kernel and wrapper regime; a regime's entry turns the N(0, 1) logits
+    drawn first into its own, so adding one changes no other regime's values (a case's spec keeps
+    naming the same inputs). The far tail keeps each row's largest entry among the rest."""
+    from harness.cases.case import LOGIT_REGIMES, _logits
+
+    assert tuple(LOGIT_REGIMES) == REGIMES
+    g = torch.Generator().manual_seed(11)
+    first = torch.randn(5, 9, generator=g, dtype=torch.float64)
+    assert torch.equal(_logits(torch.Generator().manual_seed(11), 5, 9, "normal", torch.float64), first)
+    x = _logits(torch.Generator().manual_seed(11), 5, 9, "fartail", torch.float64)
+    assert torch.equal(x.argmax(-1), first.argmax(-1))
+    assert ((x == first) | (first - x >= 50) & (first - x <= 110)).all() and (x < first).any()

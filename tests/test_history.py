@@ -23,6 +23,7 @@ from harness.commands import history
 from harness.commands.repro import UNTESTABLE
 from harness.driver.git_trees import Commit, Git, commits
 from harness.driver.replay import CommitOutcome
+from harness.report import history_table as table
 from harness.report.history_table import history_rows, render_html, render_markdown, transitions
 from harness.targets import from_namespace
 
@@ -411,3 +412,108 @@ def test_the_dates_shown_are_the_author_dates(tmp_path, monkeypatch):
     assert "| commit | authored | subject | result |" in text and "<th>authored</th>" in page
     assert "| 2024-03-02 | day 2 |" in text and "<td>2024-03-02</td>" in page
     assert "2024-05-09" not in text + page
+
+
+# ---------------------------------------------------------------------------- --perf (docs/performance.md)
+def _perf_rows() -> list[dict]:
+    """Two checked commits, the second with slime #2144's changes at TP 1 (fp32)."""
+    listed = [Commit(c * 40, s, "2026-06-29", "blob") for c, s in (("a", "top-p"), ("b", "perf: fuse"))]
+    rows = history_rows(listed, {c.sha: CommitOutcome("untestable", reason="r") for c in listed})
+    case = "tp1 T128xV2048 fp32 ent-grad"
+    rows[0]["perf"] = {"changes": [], "notes": ["the first commit with figures: nothing to compare with"],
+                       "figures": {case: {"retained_bytes": 3_148_416, "peak_bytes": 4_721_796, "collectives": 5,
+                                          "instructions": 9e6, "time_s": 0.004}}}
+    rows[1]["perf"] = {"against": rows[0]["short"], "notes": [], "changes": [
+        {"metric": "all_reduce per call", "case": case, "spec": "k", "before": 5, "after": 4, "ratio": 0.8,
+         "direction": "improvement"},
+        {"metric": "peak backward bytes", "case": case, "spec": "k", "before": 4_721_796, "after": 5_248_132,
+         "ratio": 1.111, "direction": "regression"}],
+        "figures": {case: {"retained_bytes": 1_051_264, "peak_bytes": 5_248_132, "collectives": 4,
+                           "instructions": 5e6, "time_s": 0.002}}}
+    return rows
+
+
+def test_perf_changes_are_a_column_a_table_and_console_lines():
+    h = {**_history(_perf_rows(), []), "perf": True}
+    text, page = render_markdown(h), render_html(h)
+    head = "| commit | authored | subject | result | perf |"
+    assert head in text and "<th>perf</th>" in page
+    row = next(line for line in text.splitlines() if line.startswith("| `bbbbbbbbbb`"))
+    assert "PERF CHANGES HERE: regression: peak backward bytes x1.11 (1 case); improvement: all_reduce per call 5 -> 4" in row
+    assert "| `bbbbbbbbbb` | `aaaaaaaaaa` | peak backward bytes | tp1 T128xV2048 fp32 ent-grad | 4,721,796 | 5,248,132 | 1.111 | regression |" in text
+    assert "perf-regression" in page and "PERF CHANGES HERE" in page
+    console = "\n".join(table.perf_lines(h))
+    assert "PERF CHANGES HERE on bbbbbbbbbb (perf: fuse), against aaaaaaaaaa" in console
+    assert "improvement all_reduce per call: 5 -> 4 (0.800)" in " ".join(console.split())
+
+
+def test_trend_reads_a_historys_perf_rows(tmp_path):
+    from harness.commands import trend
+
+    h = {**_history(_perf_rows(), []), "perf": True}
+    (tmp_path / "history.json").write_text(json.dumps(h))
+    (tmp_path / "aaaaaaaaaa.baseline.json").write_text(json.dumps(  # the record the first row stands for
+        {"format": "harness-baseline/1", "created": "2026-01-01", "cases": [{"case": "k", "time_s": 1.0}]}))
+    runs = trend.load_runs(tmp_path)
+    assert [r.label.split()[0] for r in runs] == ["aaaaaaaa", "bbbbbbbb"]  # in the history's order, once each
+    case = "tp1 T128xV2048 fp32 ent-grad"
+    assert [r.values["retained"][case] for r in runs] == [3_148_416, 1_051_264]
+    assert [r.values["collectives"][case] for r in runs] == [5, 4]
+    assert {"time", "instructions", "memory", "retained", "collectives"} == set(runs[1].values)
+
+
+def _routine_repo(path: Path, versions: list[tuple[str, str]]) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    _git(path, "init", "-q")
+    for subject, text in versions:
+        (path / "lp.py").write_text(text)
+        _git(path, "add", "lp.py")
+        _git(path, "commit", "-q", "-m", subject)
+    return path
+
+
+PERF_ROUTINE = '''from harness.targets import fused
+from harness.targets.mutants import mutant_namespace
+
+# {note}
+_routine = mutant_namespace({mutant!r}) if {mutant!r} else fused
+calculate_log_probs_and_entropy = _routine.calculate_log_probs_and_entropy
+'''
+
+
+def _perf_history(repo: Path, out: Path, jobs: str = "2") -> dict:
+    assert main(["history", str(repo), "--target", "lp", "--profile", "smoke", "--tp", "1", "--perf",
+                 "--jobs", jobs, "--out", str(out)]) == 0
+    return json.loads((out / "history.json").read_text())
+
+
+@pytest.mark.slow
+def test_a_perf_mutant_is_a_regression_on_its_commit(tmp_path, capsys):
+    """The clean routine, then the needless-pass mutant: the mutant's commit, and only it, is marked,
+    with its instructions counted (when valgrind is here) and its time paired."""
+    from harness.perf import callgrind
+
+    repo = _routine_repo(tmp_path / "repo", [("clean", PERF_ROUTINE.format(note="", mutant="")),
+                                             ("slower", PERF_ROUTINE.format(note="", mutant="needless-exp-pass"))])
+    h = _perf_history(repo, tmp_path / "out")
+    first, second = h["rows"]
+    assert first["perf"]["changes"] == [] and second["perf"]["against"] == first["short"]
+    metrics = {c["metric"] for c in second["perf"]["changes"]}
+    assert {c["direction"] for c in second["perf"]["changes"]} == {"regression"}
+    assert "peak forward bytes" in metrics and "time (ms)" in metrics
+    if callgrind.available() is None:
+        assert "instructions" in metrics
+    assert "PERF CHANGES HERE on " + second["short"] in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_identical_commits_give_no_perf_change_over_ten_repeats(tmp_path):
+    """Eleven commits of one routine that differ by a comment only: ten comparisons of identical code,
+    each with its instructions counted and its time paired; none is a change (docs/performance.md)."""
+    repo = _routine_repo(tmp_path / "repo", [(f"comment {i}", PERF_ROUTINE.format(note=f"revision {i}", mutant=""))
+                                             for i in range(11)])
+    h = _perf_history(repo, tmp_path / "out")
+    compared = [r for r in h["rows"] if "against" in r["perf"]]
+    assert len(compared) == 10
+    assert [c for r in compared for c in r["perf"]["changes"]] == []
+    assert not any(n.startswith("time: not judged") for r in compared for n in r["perf"]["notes"])

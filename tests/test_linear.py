@@ -26,7 +26,7 @@ STUDY = Path(__file__).resolve().parent.parent / "scripts" / "studies" / "linear
 LINEAR_CHECKS = ("values", "gradients", "grad-flags", "shapes-dtypes", "finite", "crash", "hang", "collectives",
                  "chunk-invariance", "tp-invariance", "input-integrity", "empty-input", "memory-metric-only",
                  "memory-backward-frees", "memory-linear-retained", "memory-budget", "frozen-input-work",
-                 "memory-logits-dtype", "side-effects")
+                 "memory-logits-dtype", "side-effects", "warning")
 
 
 def _study():

@@ -21,6 +21,7 @@ from harness.cases.benchmarks import PERF_CASES
 from harness.cases.case import parse_case
 from harness.driver.runner import Runner
 from harness.perf import callgrind as instructions
+from harness.perf import commits
 from harness.perf import gate as baseline
 from harness.perf import timing as perf
 from harness.perf.jobs import PAIRED_JOB
@@ -224,3 +225,123 @@ def test_cli_save_then_compare(tmp_path):
     result = json.loads(out.read_text())
     assert {"perf-instructions"} <= {f["check"] for f in result["findings"]}
     assert "| case | metric | before | after | ratio | verdict |" in result["baseline"]["markdown"]
+
+
+# ---------------------------------------------------------------------------- commit against commit (history --perf)
+def _record(cases: list[dict], environment: dict | None = None, ledger: str = "cpp") -> dict:
+    return {"format": baseline.FORMAT, "environment": environment or {"python": "3"}, "memory_ledger": ledger,
+            "cases": cases}
+
+
+def _entry(collectives: dict, memory: dict, instructions: int | None = None, paired: dict | None = None) -> dict:
+    return {"case": FAST_CASES[0].spec(), "label": baseline.label(FAST_CASES[0]), "collectives": collectives,
+            "memory": memory, "time_s": 0.001, **({"instructions": instructions} if instructions else {}),
+            **({"paired": paired} if paired else {})}
+
+
+MEM = {"retained_bytes": 3_148_416, "peak_forward_bytes": 3_150_464, "peak_backward_bytes": 4_721_796}
+
+
+def test_commit_changes_both_ways_with_the_gates_thresholds():
+    """slime #2144's figures (TP 1, fp32): one all-reduce fewer, retained memory a third, the backward
+    peak larger; instructions moved by 0.2% are no change, by 8% one; time only where paired."""
+    fused = {"retained_bytes": 1_051_264, "peak_forward_bytes": 3_149_440, "peak_backward_bytes": 5_248_132}
+    slower = {"verdict": "slower", "ratio": 1.12, "ci": [1.08, 1.15], "old_s": 0.002, "new_s": 0.00224}
+    before = _record([_entry({"all_reduce": 5}, MEM, 5_000_000)])
+    after = _record([_entry({"all_reduce": 4}, fused, 5_010_000, slower)])
+    got = commits.changes(before, after, paired=True)
+    found = {(c["metric"], c["direction"]) for c in got["changes"]}
+    assert found == {("all_reduce per call", "improvement"), ("retained bytes", "improvement"),
+                     ("peak forward bytes", "improvement"), ("peak backward bytes", "regression"),
+                     ("time (ms)", "regression")}
+    assert all({"metric", "case", "before", "after", "ratio", "direction"} <= c.keys() for c in got["changes"])
+    unpaired = commits.changes(before, after, paired=False)
+    assert "time (ms)" not in {c["metric"] for c in unpaired["changes"]} and "time: not judged (unpaired)" in unpaired["notes"]
+    more = commits.changes(before, _record([_entry({"all_reduce": 5}, MEM, 5_400_000)]), paired=True)
+    assert [(c["metric"], c["direction"], round(c["ratio"], 2)) for c in more["changes"]] == [("instructions", "regression", 1.08)]
+    other_env = commits.changes(before, _record([_entry({"all_reduce": 5}, MEM, 9_000_000)], {"python": "4"}), paired=True)
+    assert not other_env["changes"] and other_env["notes"][0].startswith("instructions: not compared")
+    assert commits.summary(got["changes"]).startswith("regression: peak backward bytes x1.11 (1 case), time (ms) x1.12")
+
+
+def test_callgrind_failure_says_what_failed():
+    err = ("Traceback (most recent call last):\n  File \"x.py\", line 3, in <module>\n"
+           "ValueError: Default process group has not been initialized\n==21551== \n==21551== Events    : Ir\n"
+           "==21551== Collected : 0\n==21551== I   refs:      0\n")
+    tail = instructions.stderr_tail("", err)
+    assert tail.endswith("ValueError: Default process group has not been initialized") and "==" not in tail
+
+
+def _tree(root, name: str, source: str):
+    root.mkdir(parents=True, exist_ok=True)
+    (root / f"{name}.py").write_text(source)
+    return root
+
+
+def test_an_aliased_tree_keeps_its_own_modules_beside_the_current_ones(tmp_path, monkeypatch):
+    """The old tree's module and the modules it imports later, inside a call, are the old tree's;
+    the current ones stay in sys.modules."""
+    from harness.perf import aliased
+
+    for version in ("old", "new"):
+        pkg = tmp_path / version / "aliaspkg"
+        pkg.mkdir(parents=True)
+        (pkg / "__init__.py").write_text("from aliaspkg.helper import VERSION as _imported_while_executing\n")
+        (pkg / "helper.py").write_text(f"VERSION = {version!r}\n")
+        (pkg / "lp.py").write_text("def which():\n    from aliaspkg.helper import VERSION\n    return VERSION\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "new"))
+    import importlib
+
+    current = importlib.import_module("aliaspkg.lp")
+    old = aliased.load(str(tmp_path / "old"), "aliaspkg.lp")
+    assert old["which"]() == "old" and current.which() == "new"
+    assert sys.modules["aliaspkg.lp"] is current and sys.modules["aliaspkg.helper"].VERSION == "new"
+    shim = aliased.write_shim(tmp_path / "old", "aliaspkg.lp", tmp_path / "aliases", "abc")
+    assert "aliaspkg.lp" in shim.read_text() and shim.stem.isidentifier()
+    for name in [m for m in sys.modules if m.split(".")[0] == "aliaspkg"]:
+        monkeypatch.delitem(sys.modules, name)
+
+
+@pytest.fixture(scope="module")
+def routine_trees(tmp_path_factory):
+    """The built-in routine's source in two trees, and a tree of the needless-pass mutant, each as
+    module `perf_twin` (a routine of its own: the classes are defined anew in each)."""
+    from pathlib import Path
+
+    import harness.targets.fused as fused_module
+
+    source = Path(fused_module.__file__).read_text()
+    root = tmp_path_factory.mktemp("perf-trees")
+    mutant = ("from harness.targets.mutants import mutant_namespace\n\n"
+              "calculate_log_probs_and_entropy = mutant_namespace('needless-exp-pass').calculate_log_probs_and_entropy\n")
+    return {name: _tree(root / name, "perf_twin", text)
+            for name, text in (("a", source), ("b", source), ("mutant", mutant))}
+
+
+def _shim(tmp_path, tree, tag: str) -> str:
+    from harness.perf import aliased
+
+    return str(aliased.write_shim(tree, "perf_twin", tmp_path / "aliases", tag))
+
+
+def _paired_record(pools, target: str, reference: str | None, cases) -> dict:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(instructions, "available", lambda: "switched off in the fast tests")
+        return baseline.record(Runner(target, pools=pools), cases, reference=reference)
+
+
+def test_identical_trees_give_no_change_and_a_perf_mutant_a_regression(harness_pools, routine_trees, tmp_path):
+    """One repeat of what `history --perf` does per commit, on one TP 1 case: each tree's module
+    `perf_twin` imported under a name of its own, the newer timed against the older (the ten-repeat
+    run over whole histories is `test_history.py::test_identical_commits_give_no_perf_change_over_ten_repeats`)."""
+    cases = [FAST_CASES[0]]
+    a, b = _shim(tmp_path, routine_trees["a"], "a"), _shim(tmp_path, routine_trees["b"], "b")
+    before = _paired_record(harness_pools, b, None, cases)
+    same = _paired_record(harness_pools, a, b, cases)
+    assert same["cases"][0]["paired"]["verdict"] == "unchanged", same["cases"][0]["paired"]
+    assert commits.changes(before, same, paired=True)["changes"] == []
+    worse = _paired_record(harness_pools, _shim(tmp_path, routine_trees["mutant"], "m"), a, cases)
+    got = commits.changes(same, worse, paired=True)["changes"]
+    # The thrown-away pass allocates a full-size temporary: deterministic, whatever the load.
+    assert ("peak forward bytes", "regression") in {(c["metric"], c["direction"]) for c in got}
+    assert all(c["direction"] == "regression" for c in got)

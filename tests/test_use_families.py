@@ -231,7 +231,7 @@ def test_a_script_runs_without_the_harness_and_exits_1_on_the_defect_0_without(t
                              text=True, timeout=120, cwd=tmp_path, env={"PATH": os.environ.get("PATH", "")})
         codes[name] = run.returncode
         if name == "detached":
-            assert "FINDING [gradients (log-prob term)]: grad (all shards): worst at" in run.stdout, run.stderr[-2000:]
+            assert "DEFECT (gradients): rank 0's shard of the log-prob term's gradient is wrong" in run.stdout, run.stderr[-2000:]
     assert codes == {"detached": 1, "right": 0}
     check = subprocess.run([sys.executable, "-I", "-S", "-c", "import sys; sys.path.append(sys.argv[1]); import harness",
                             site], capture_output=True, text=True, timeout=60)

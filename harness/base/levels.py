@@ -67,6 +67,13 @@ class Level:
     memory: Any = None  # its memory rules: what a correct routine may spend (`harness.checks.memory`)
     routine_key: Callable[[Any], str] | None = None  # which contract function a case calls (default: the one)
     missing_capability: Callable[[str], str] | None = None  # the capability a target lacking a function lacks
+    # The performance gate's cases of this level (`harness.perf.gate`), and `benchmark(target, case, rank,
+    # device, group)`: one forward+backward of such a case on this rank, inputs built once (a callable).
+    benchmarks: tuple[Any, ...] = ()
+    benchmark: Callable[..., Callable[[], None]] | None = None
+    # A covering draw: `cover(tps, seed, budget, dp)`, the cases the explorer runs first, in the budget, so
+    # that every combination they stand for is reached whatever the seed and TP sizes (None: none).
+    cover: Callable[..., list[Any]] | None = None
 
     def key(self, case: Any) -> str:
         """The contract function `case` calls."""
@@ -139,6 +146,14 @@ def parse(spec: str) -> Any:
 def case_types() -> dict[str, type]:
     """Each level's case class, by the level's name."""
     return {name: lv.case_class for name, lv in all_levels().items()}
+
+
+def benchmark_call(target: Any, case: Any, rank: int, device: Any, group: Any) -> Callable[[], None]:
+    """One forward+backward of a benchmark case on this rank, inputs built once (its level's `benchmark`)."""
+    level = of(case)
+    if level.benchmark is None:
+        raise ValueError(f"the {level.name} level has no benchmark call")
+    return level.benchmark(target, case, rank, device, group)
 
 
 def fit(case: Any, supports: Callable[[str], bool]) -> Any:

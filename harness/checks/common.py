@@ -150,3 +150,13 @@ def inference_path(ev: Evidence) -> list[str]:
 def input_integrity(ev: Evidence) -> list[str]:
     """Inputs keep their values and version counters through forward and backward."""
     return [f"{r.name}: {p}" for r in ev.ranks for p in r.obs.integrity]
+
+
+@check("warning", evidence=CALL, needs=None)
+def warning(ev: Evidence) -> list[str]:
+    """The routine raises no warning that the user's own warnings filters make an error (`python -W
+    error`, pytest's `filterwarnings = error`): under those filters its trainer would stop there.
+    Such a warning is this finding, with its category, never a `crash`; a warning raised by the
+    harness's own adapter code is never the routine's (`engine.warnings_seen`)."""
+    return [f"{r.name}: the routine warns, {w}; your warnings filters make that an error"
+            for r in ev.ranks for w in r.obs.warnings]

@@ -26,6 +26,9 @@ class Finding:
     use: str = IN_USE  # IN_USE, or BEYOND_USE: on inputs the target's own callers never make (HARNESS_USE)
     beyond: str = ""  # why it is beyond the target's use: the HARNESS_USE entry's `why`
     script: str = ""  # the line that writes its stand-alone script (`script_command`), where one can be written
+    # The size of the defect on its case: the largest |actual - expected| of its problems' worst entries
+    # (None where no problem compares finite values), so that shrinking can keep it (`driver.explorer`).
+    error: float | None = None
 
     @property
     def family(self) -> str:

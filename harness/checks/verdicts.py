@@ -11,6 +11,7 @@ counted. The console, the result JSON and the pytest route read them from here.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ from harness.checks import script as scripts
 from harness.checks.families import FamilyStats, context_of, family_key
 from harness.checks.findings import BEYOND_USE, Finding, script_command
 from harness.checks.known import Entry, KnownFindings
+from harness.checks.problems import Problem
 from harness.checks.terms import exercised, split_by_term
 from harness.checks.use import beyond
 
@@ -44,6 +46,13 @@ class CheckStats:
     @property
     def margins(self) -> list[float]:
         return [m for group in self.margins_by_group.values() for m in group]
+
+
+def _error(problems: list[str]) -> float | None:
+    """The largest |actual - expected| among the problems' worst entries (None: none compares finite values)."""
+    sizes = [abs(p.actual - p.expected) for p in problems if isinstance(p, Problem)
+             and p.actual is not None and p.expected is not None and math.isfinite(p.actual - p.expected)]
+    return max(sizes, default=None)
 
 
 class Verdicts:
@@ -86,7 +95,7 @@ class Verdicts:
             held[1] += not problems
         ranks = sorted({r.rank for r in ev.failed_ranks})
         findings = [Finding(chk.name, case.level, case.spec(), "; ".join(said)[:4000], repro, ranks=ranks,
-                            term=term, context=context) for term, context, said in groups]
+                            term=term, context=context, error=_error(said)) for term, context, said in groups]
         for f in findings:  # the line that writes its stand-alone script, where one can be written
             if scripts.refusal(ev.target, scripts.script_case(case, f.check, f.term), f.check) is None:
                 f.script = script_command(repro, f.check, f.term)

@@ -7,13 +7,17 @@ that tree first on PYTHONPATH. Commits whose target files hold the same content 
 checked reuse its result. The result is a table of commit x defect family (a check, the output term
 and the call context that decides it: `report.matrix.family_cells`) that marks where a family first
 fails (the commit that brought a defect in), where its failing configurations change, and where it
-passes again (the one that fixed it); `--known` applies to every commit.
+passes again (the one that fixed it); `--known` applies to every commit. With `--perf`, each
+checked commit is also compared with the previous checked one as the performance gate compares a PR
+with its baseline (`harness.perf.commits`): the commit's check records the gate's figures, its time
+paired against the routine of the checked commit before it, imported beside it under another name (`perf.aliased`).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +29,10 @@ from harness.base.errors import UsageError
 from harness.checks import all_checks
 from harness.driver.git_trees import Commit, Git, commits, module_paths
 from harness.driver.replay import run_all
+from harness.perf import commits as perf_commits
+from harness.perf.aliased import write_shim
+from harness.perf.gate import load as load_record
+from harness.report import history_table as table
 from harness.report.console import finding_blocks
 from harness.report.history_table import first_findings, history_rows, render_html, render_markdown, transitions
 from harness.targets import contract_names, is_file_spec
@@ -49,17 +57,21 @@ def cmd_history(ns: argparse.Namespace, cfg: options.RunConfig) -> int:
           f"{ns.jobs} at a time", file=sys.stderr, flush=True)
     ns.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
+    perf = PerfHistory(git, todo, ns.target, ns.out) if ns.perf else None
     with tempfile.TemporaryDirectory(prefix="harness-history-") as tmp:
-        outcomes = run_all(git, todo, ns, Path(tmp))
+        outcomes = run_all(git, todo, ns, Path(tmp), perf.args if perf is not None else None)
     for c in todo:
         if outcomes[c.sha].result is not None:
             (ns.out / f"{c.short}.json").write_text(json.dumps(outcomes[c.sha].result, indent=1))
     rows = history_rows(listed, outcomes, str(Path(ns.repo).resolve()), ns.target, ns.device)
+    if perf is not None:
+        perf.annotate(rows)
     order = list(all_checks())  # families in check order, each check's in the order first met
     met = list(dict.fromkeys(f for r in rows for f, cell in r["cells"].items() if cell["state"] != "pass"))
     fams = sorted(met, key=lambda f: order.index(r_check) if (r_check := _check_of(rows, f)) in order else len(order))
     h = {"repo": str(ns.repo), "target": ns.target, "paths": paths, "rev": rev, "since": ns.since,
          "profile": ns.profile, "tp": list(ns.tp), "seed": ns.seed, "known": ns.known, "checked": len(todo),
+         "perf": bool(ns.perf),
          "elapsed_s": round(time.perf_counter() - start, 1), "families": fams, "rows": rows,
          "transitions": transitions(rows),
          "commits": [asdict(c) | {"outcome": {k: v for k, v in asdict(outcomes[c.same_as or c.sha]).items()
@@ -72,9 +84,69 @@ def cmd_history(ns: argparse.Namespace, cfg: options.RunConfig) -> int:
     results = {c.short: outcomes[c.same_as or c.sha].result or {} for c in listed}
     for block in finding_blocks(first_findings(h["transitions"], results)):  # as `check` prints them
         print(block)
+    for line in table.perf_lines(h):
+        print(line)
     print(f"written: {ns.out / 'history.md'}, {ns.out / 'history.html'}, {ns.out / 'history.json'} "
           f"and each checked commit's JSON", file=sys.stderr)
     return 2 if any(o.status == "error" for o in outcomes.values()) else 0
+
+
+class PerfHistory:
+    """`--perf`: the options that make each commit's check record the gate's figures (`DIR/<sha>.baseline.json`),
+    its time paired against the previous checked commit's routine; then each row's changes."""
+
+    def __init__(self, git: Git, todo: list[Commit], target: str, out: Path):
+        self.git, self.target, self.out = git, target, out.resolve()
+        # the commit each one's time is paired against: the previous one to check
+        self.previous = {c.sha: p for p, c in zip(todo, todo[1:], strict=False)}
+
+    def record_path(self, short: str) -> Path:
+        return self.out / f"{short}.baseline.json"
+
+    def args(self, commit: Commit, workdir: Path) -> list[str]:
+        args = ["--save-baseline", str(self.record_path(commit.short))]
+        prev = self.previous.get(commit.sha)
+        if prev is None:
+            return args
+        tree = workdir / f"{commit.short}-prev-{prev.short}"
+        tree.mkdir()
+        try:
+            self.git.export(prev.sha, tree)
+        except (UsageError, OSError, subprocess.SubprocessError) as e:  # time is then not paired; the other figures stand
+            print(f"[history] {commit.short}: time not paired, cannot export {prev.short}: {e}", file=sys.stderr)
+            return args
+        module = Path(self.target).with_suffix("").as_posix().replace("/", ".") if is_file_spec(self.target) \
+            else self.target  # a file target of the tree, as a module of either tree
+        shim = write_shim(tree, module, workdir / "aliases", f"{prev.short}_for_{commit.short}")
+        return [*args, "--baseline-target", str(shim)]
+
+    def annotate(self, rows: list[dict]) -> None:
+        """Each row's `perf`: its changes from the last commit before it with figures (`perf.commits`),
+        the figures themselves, and what was not compared."""
+        records: dict[str, dict] = {}
+        for row in rows:
+            path = self.record_path(row["short"])
+            if row["same_as"] is None and path.is_file():
+                records[row["sha"]] = load_record(path)
+        last: dict | None = None  # the last row with figures
+        for row in rows:
+            version = row["same_as"] or row["sha"]
+            record = records.get(version)
+            if record is None:
+                row["perf"] = {"changes": [], "notes": ["no figures recorded" + (f": {row['reason']}" if row["reason"] else "")]}
+                continue
+            perf: dict = {"changes": [], "notes": [], "figures": perf_commits.figures(record)}
+            if last is None:
+                perf["notes"] = ["the first commit with figures: nothing to compare with"]
+            elif (last["same_as"] or last["sha"]) == version:
+                perf.update(against=last["short"], notes=["same files as the commit before"])
+            else:
+                prev = self.previous.get(row["sha"]) if row["same_as"] is None else None
+                paired = prev is not None and prev.sha == (last["same_as"] or last["sha"])
+                perf.update(against=last["short"], **perf_commits.changes(records[last["same_as"] or last["sha"]],
+                                                                          record, paired))
+            row["perf"] = perf
+            last = row
 
 
 def _check_of(rows: list[dict], family: str) -> str:
@@ -129,6 +201,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="commits checked at once (default: the core count)")
     p.add_argument("--commit-timeout", type=options.positive_int, default=3600, metavar="S",
                    help="seconds one commit's check may take before it is stopped (default 3600)")
+    p.add_argument("--perf", action="store_true",
+                   help="also compare each checked commit with the previous one as the performance gate compares "
+                        "a PR: collectives, exact memory, instructions (callgrind, TP 1), time paired against the "
+                        "routine of the checked commit before (docs/performance.md)")
     p.add_argument("--out", type=Path, default=Path("harness-history"), metavar="DIR",
                    help="where to write history.md, history.html, history.json and each commit's check JSON "
                         "(default: ./harness-history)")

@@ -54,9 +54,10 @@ def needs_bitwise(expected: tuple[str, ...]) -> bool:
 
 
 def hunt(spec: str, name: str, expected: tuple[str, ...], tps: list[int], pools: dict[int, WorkerPool],
-         budget: int, seed: int, collective_timeout_s: float, bitwise: bool = False) -> HuntResult:
+         budget: int, seed: int, collective_timeout_s: float, bitwise: bool = False, corpus: bool = True) -> HuntResult:
     """Corpus, then up to `budget` random cases per level, stopping once every expected check fired.
-    `bitwise`: the opt-in bitwise checks too (always when an expected check is one of them)."""
+    `bitwise`: the opt-in bitwise checks too (always when an expected check is one of them). `corpus`
+    False: the random cases alone (what the randomized search reaches by itself)."""
     runner = Runner(spec, collective_timeout_s=collective_timeout_s, pools=pools,
                     bitwise=bitwise or needs_bitwise(expected))
     result = HuntResult(name, expected)
@@ -71,7 +72,8 @@ def hunt(spec: str, name: str, expected: tuple[str, ...], tps: list[int], pools:
         # shown for each of them, not only for the first to fire.
         return bool(expected) and all(c in result.fired for c in expected)
 
-    record(run_corpus(runner, tps, stop=lambda fs: (record(fs), done())[1]))
+    if corpus:
+        record(run_corpus(runner, tps, stop=lambda fs: (record(fs), done())[1]))
     for level in runner.target.levels:
         if done():
             break
@@ -108,7 +110,7 @@ class BaselineHunter:
 
 def run_catalog(names: list[str] | None, tps: list[int], pools: dict[int, WorkerPool], budget: int = 60,
                 seed: int = 0, collective_timeout_s: float = 5.0, include_clean: bool = True,
-                bitwise: bool = False) -> list[HuntResult]:
+                bitwise: bool = False, corpus: bool = True) -> list[HuntResult]:
     """Hunt every named mutant (all by default) and, first, the clean routine (with the bitwise
     checks too when `bitwise`)."""
     entries: dict[str, Mutant] = catalog()
@@ -116,7 +118,8 @@ def run_catalog(names: list[str] | None, tps: list[int], pools: dict[int, Worker
     results = []
     baseline_hunter = BaselineHunter(tps, pools)
     if include_clean:
-        results.append(hunt(DEFAULT_TARGET, CLEAN, (), tps, pools, budget, seed, collective_timeout_s, bitwise))
+        results.append(hunt(DEFAULT_TARGET, CLEAN, (), tps, pools, budget, seed, collective_timeout_s, bitwise,
+                            corpus))
     for m in chosen:
         sizes = [tp for tp in tps if tp in m.tp]
         if m.needs_baseline:
@@ -124,7 +127,8 @@ def run_catalog(names: list[str] | None, tps: list[int], pools: dict[int, Worker
         elif not sizes:
             results.append(HuntResult(m.name, m.expected, skipped=f"only visible at TP {m.tp}"))
         else:
-            results.append(hunt(m.spec, m.name, m.expected, sizes, pools, budget, seed, collective_timeout_s))
+            results.append(hunt(m.spec, m.name, m.expected, sizes, pools, budget, seed, collective_timeout_s,
+                                corpus=corpus))
     return results
 
 
@@ -160,7 +164,7 @@ def cmd_mutate(ns: argparse.Namespace, cfg: RunConfig) -> int:
     start = time.perf_counter()
     try:
         results = run_catalog(ns.mutants or None, cfg.tp, pools, ns.budget, ns.seed, cfg.collective_timeout_s,
-                              bitwise=cfg.bitwise)
+                              bitwise=cfg.bitwise, corpus=not ns.no_corpus)
     finally:
         for pool in pools.values() if own else ():
             pool.close()
@@ -188,4 +192,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     # A short collective timeout: a rank-divergent mutant then costs seconds, not minutes.
     options.add_argparse(p, ("tp", "seed", "collective_timeout", "bitwise"), collective_timeout=5.0)
     p.add_argument("--markdown", metavar="FILE", help="also write the kill matrix as markdown")
+    p.add_argument("--no-corpus", action="store_true",
+                   help="leave the regression corpus out: what the randomized search kills by itself")
     p.set_defaults(func=cmd_mutate)

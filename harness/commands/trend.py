@@ -1,8 +1,10 @@
-"""`python -m harness trend DIR`: time, instruction count and memory across saved runs, one line per case.
+"""`python -m harness trend DIR`: time, instruction count, memory and collectives across saved runs,
+one plot per metric, one line per case.
 
-DIR holds saved harness baselines or pytest-benchmark JSON files (`--benchmark-json`,
-`--benchmark-autosave`'s `.benchmarks/`), searched recursively; runs are ordered by the time they
-record (file name when they record none).
+DIR holds saved harness baselines, pytest-benchmark JSON files (`--benchmark-json`,
+`--benchmark-autosave`'s `.benchmarks/`) or the `history.json` of `harness history --perf` (each
+commit with figures is a run, in the history's order), searched recursively; runs are ordered by the
+time they record (file name when they record none).
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ METRICS = {
     "time": ("median time (ms)", 1e3),
     "instructions": ("instructions (millions)", 1e-6),
     "memory": ("peak memory (MiB)", 1 / 2**20),
+    "retained": ("retained memory (MiB)", 1 / 2**20),
+    "collectives": ("collectives per call", 1.0),
 }
 
 WIDE_RANGE = 30  # largest/smallest value of a panel beyond which it is drawn on a log axis
@@ -36,6 +40,8 @@ class Run:
     when: str  # ISO time when the file records one, else "" (then the file name orders runs)
     path: Path
     values: dict[str, dict[str, float]] = field(default_factory=dict)  # metric -> case -> value
+    order: int = 0  # its place among the runs of one file (a history's commits)
+    covers: Path | None = None  # the saved baseline it stands for (a history's commit: its check's record)
 
     def add(self, metric: str, case: str, value: Any) -> None:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -55,6 +61,8 @@ def from_pytest_benchmark(path: Path, data: dict[str, Any]) -> Run:
         extra = bench.get("extra_info") or {}
         run.add("instructions", case, extra.get("instructions"))
         run.add("memory", case, extra.get("peak_bytes"))  # the names harness baselines use
+        run.add("retained", case, extra.get("retained_bytes"))
+        run.add("collectives", case, extra.get("collective_count"))
     return run
 
 
@@ -67,27 +75,54 @@ def from_baseline(path: Path, data: dict[str, Any]) -> Run:
         run.add("time", case, entry.get("time_s"))
         run.add("instructions", case, entry.get("instructions"))
         run.add("memory", case, (entry.get("memory") or {}).get("peak_bytes"))
+        run.add("retained", case, (entry.get("memory") or {}).get("retained_bytes"))
+        if "collectives" in entry:
+            run.add("collectives", case, sum(entry["collectives"].values()))
     return run
 
 
-def load_run(path: Path) -> Run | None:
-    """One saved run, or None for a JSON file of another kind."""
+def from_history(path: Path, data: dict[str, Any]) -> list[Run]:
+    """The commits of a `harness history --perf` with figures, one run each, in the history's order
+    (`perf.figures`: the figures its check recorded; a commit with the same files as an earlier one
+    has that one's)."""
+    runs = []
+    for i, row in enumerate(data["rows"]):
+        figures = (row.get("perf") or {}).get("figures") or {}
+        if not figures:
+            continue
+        run = Run(f"{row['short'][:8]}\n{row.get('date', '')}".strip(), "", path, order=i,
+                  covers=path.parent / f"{row['short']}.baseline.json")
+        for case, fig in figures.items():
+            run.add("time", case, fig.get("time_s"))
+            run.add("instructions", case, fig.get("instructions"))
+            run.add("memory", case, fig.get("peak_bytes"))
+            run.add("retained", case, fig.get("retained_bytes"))
+            run.add("collectives", case, fig.get("collectives"))
+        runs.append(run)
+    return runs
+
+
+def load_run(path: Path) -> list[Run]:
+    """The saved runs of one file: one, or a history's commits; none for a JSON file of another kind."""
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
+        return []
     if not isinstance(data, dict):
-        return None
+        return []
     if data.get("format") == BASELINE_FORMAT:
-        return from_baseline(path, data)
+        return [from_baseline(path, data)]
     if isinstance(data.get("benchmarks"), list):
-        return from_pytest_benchmark(path, data)
-    return None
+        return [from_pytest_benchmark(path, data)]
+    if isinstance(data.get("rows"), list) and data.get("perf"):
+        return from_history(path, data)
+    return []
 
 
 def load_runs(directory: Path) -> list[Run]:
-    runs = [r for p in sorted(directory.rglob("*.json")) if (r := load_run(p)) and r.values]
-    return sorted(runs, key=lambda r: (r.when, str(r.path)))
+    runs = [r for p in sorted(directory.rglob("*.json")) for r in load_run(p) if r.values]
+    covered = {r.covers for r in runs}  # a history's commits, once: not again as the records beside it
+    return sorted((r for r in runs if r.path not in covered), key=lambda r: (r.when, str(r.path), r.order))
 
 
 def trend_figure(runs: list[Run]) -> Figure:
@@ -144,8 +179,10 @@ def cmd_trend(ns: argparse.Namespace, _cfg: Any = None) -> int:
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("trend", help="plot time, instructions and memory across saved runs",
+    p = subparsers.add_parser("trend", help="plot time, instructions, memory and collectives across saved runs "
+                                            "or a history's commits",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("directory", metavar="DIR", help="folder of saved baselines or pytest-benchmark JSON")
+    p.add_argument("directory", metavar="DIR", help="folder of saved baselines, pytest-benchmark JSON or a "
+                                                    "`history --perf` output")
     p.add_argument("-o", "--out", default="trend.png", metavar="FILE.png", help="where to write the plot")
     p.set_defaults(func=cmd_trend)

@@ -1,5 +1,7 @@
 """Randomized exploration with Hypothesis: draws cases in the main process, runs them through the
-runner, and shrinks each newly failing check to a minimal case.
+runner, and shrinks each newly failing check to a minimal case that keeps the defect's size (its
+|error| within `SHRINK_KEEPS_ERROR` of the first failing case's). A level with a covering draw
+(`Level.cover`) has its covering cases run first, in the budget.
 
 One Hypothesis run stops at its first failure and shrinks it. To see past a first failing check,
 exploration goes in rounds: each round ignores the checks that already have a shrunk finding.
@@ -27,6 +29,10 @@ from harness.driver.limits import HANG_SHRINK_MAX_CASES, RunLimits, hung
 from harness.driver.runner import Runner
 
 CORPUS_BY_NAME = {entry.name: entry for entry in CORPUS}
+# Shrinking keeps the defect's size: a smaller case is taken only where its |error| stays within this
+# factor of the error on the case the search first failed (a shrunk case with |error| 3e-5 where the
+# drawn one had 1 would read as a rounding matter).
+SHRINK_KEEPS_ERROR = 10.0
 
 
 @contextlib.contextmanager
@@ -80,6 +86,42 @@ def strategy_for(runner: Runner, level: str, tps: Iterable[int], dp: int = 1, cp
     extra = {"cp": st.just(cp)} if cp > 1 else {}  # the axis of a level with CP counts
     return levels.get(level).strategy(tp=st.sampled_from(tuple(tps)), entropy=t.supports("entropy"),
                                       keep_mask=t.supports("keep_mask"), dp=st.just(dp), **extra)
+
+
+def _keeps_size(finding: Finding, origin: dict[str, float | None]) -> bool:
+    """Whether a failure met while shrinking is as large as the first one of its check: within
+    `SHRINK_KEEPS_ERROR` of its |error| (a check the first failure did not have, or a size that
+    cannot be told, e.g. a NaN, counts as kept)."""
+    first = origin.get(finding.check)
+    return first is None or finding.error is None or finding.error * SHRINK_KEEPS_ERROR >= first
+
+
+def _size_note(finding: Finding, origin: dict[str, float | None]) -> str:
+    """What a shrunk finding says of its size next to the case's it came from (when they differ by 2x)."""
+    first = origin.get(finding.check)
+    if first is None or finding.error is None or first <= 2 * finding.error:
+        return ""
+    return f"|error| {finding.error:.3g} here, {first:.3g} on the case it was shrunk from"
+
+
+def run_cover(runner: Runner, cases: list[Case], only: set[str] | None, limits: RunLimits | None,
+              progress: Callable[[str], None], label: str) -> tuple[list[Finding], bool]:
+    """The level's covering cases (`Level.cover`), each run once: (their findings, and whether the run
+    must stop: its limits reached)."""
+    found: list[Finding] = []
+    for i, case in enumerate(cases, 1):
+        if limits is not None and not runner.has_run(case) and limits.skip(case):
+            continue
+        ev, findings = runner.check(case, only=only)
+        if limits is not None:
+            limits.observe(ev)
+            limits.record([f for f in findings if all(f.check != g.check for g in found)])  # one per check
+        found += findings
+        if i % 25 == 0:
+            progress(f"{label}: {i} covering cases")
+        if limits is not None and limits.reached():
+            return found, True
+    return found, False
 
 
 def corpus_cases(levels: Iterable[str], tps: Iterable[int]) -> list[tuple[str, Case]]:
@@ -138,10 +180,24 @@ def explore(runner: Runner, level: str, tps: Iterable[int], max_examples: int, s
     label = level + (f" (DP {dp})" if dp > 1 else "") + (f" (CP {cp})" if cp > 1 else "")
     known: set[str] = set()
     out: list[Finding] = []
+    # The level's covering draw first, in the budget: every combination it stands for is reached at any
+    # seed and TP sizes. Without shrinking its findings are reported as they come; with it, they wait for
+    # the random search to fail the same check on a case it can shrink, and are reported as drawn if not.
+    cover = levels.get(level).cover
+    covering = cover(sorted(set(tps)), seed, max_examples, dp) if cover is not None and cp == 1 else []
+    covered, halted = run_cover(runner, covering, only, limits, progress, label) if covering else ([], False)
+    max_examples -= len(covering)
+    if not shrink:
+        out += covered
+        if halted or (stop is not None and stop(out)):
+            return out
     for round_ in range(len(only or runner.checks) + 1):
-        collected: list[Finding] = []
+        if halted:
+            break
+        collected: list[Finding] = list(out) if not shrink else []
         count = [0]
         hang_shrink = {"on": False, "cases": 0}
+        origin: dict[str, float | None] = {}  # the first failure's |error| per check, which shrinking keeps
 
         @hyp_seed(seed * 1000 + round_)
         @explore_settings(max_examples, shrink)
@@ -165,6 +221,11 @@ def explore(runner: Runner, level: str, tps: Iterable[int], max_examples: int, s
                     hang_shrink["cases"] += 1
             new = [f for f in findings if f.check not in known]
             if new and shrink:
+                if not origin:
+                    origin.update((f.check, f.error) for f in new)
+                new = [f for f in new if _keeps_size(f, origin)]
+                if not new:
+                    return  # a smaller defect than the one found: not what is being shrunk
                 hang_shrink["on"] = hang_shrink["on"] or hung(ev)
                 raise _NewFailure(new, case)
             collected.extend(new)
@@ -183,9 +244,12 @@ def explore(runner: Runner, level: str, tps: Iterable[int], max_examples: int, s
         except _NewFailure as failure:  # re-raised by Hypothesis from the shrunk example
             for f in runner.explain(failure.findings):
                 f.shrunk = True
+                note = _size_note(f, origin)
+                if note:
+                    f.message = f"{f.message}; {note}"[:4000]
                 known.add(f.check)
                 out.append(f)
-                progress(f"{label}: {f.check} fails; shrunk to {f.case}")
+                progress(f"{label}: {f.check} fails; shrunk to {f.case}" + (f" ({note})" if note else ""))
             if limits is not None:
                 limits.record(failure.findings)
                 if any(f.check == "hang" for f in failure.findings):
@@ -193,8 +257,16 @@ def explore(runner: Runner, level: str, tps: Iterable[int], max_examples: int, s
                 if limits.reached():
                     break
             continue
-        out.extend(collected)
+        out = collected if not shrink else out + collected
         break
+    # Covering findings of checks the random search did not fail: reported on the case drawn (the first).
+    pending: dict[str, Finding] = {}
+    for f in covered if shrink else ():
+        if f.check not in known:
+            pending.setdefault(f.check, f)
+    for f in runner.explain(list(pending.values())):
+        out.append(f)
+        progress(f"{label}: {f.check} fails on a covering case (not shrunk): {f.case}")
     return out
 
 

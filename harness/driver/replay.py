@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from harness.base.errors import UsageError
 from harness.driver.git_trees import Commit, Git
@@ -25,6 +25,11 @@ HARNESS_ROOT = Path(__file__).resolve().parents[2]  # what the checking processe
 STOP_GRACE_S = 15  # after SIGTERM, how long a timed-out check may take to write what it found
 INTERRUPT_GRACE_S = 3  # after Ctrl-C or SIGTERM, how long the running checks get before SIGKILL: none is kept
 STOPPED = "not checked: the run was stopped"
+# Replays run eager: a routine whose trainer compiles it (torch.compile, megatron-core's jit_fuser)
+# recompiles in every exported tree's fresh processes, minutes per commit where eager takes seconds,
+# and a replay asks what each commit computes, not how its compiler fuses it (docs/history.md).
+EAGER = {"TORCHDYNAMO_DISABLE": "1"}
+ExtraArgs = Callable[[Commit, Path], list[str]]
 
 
 @dataclass
@@ -47,9 +52,11 @@ def check_command(ns: argparse.Namespace, json_path: Path) -> list[str]:
     return cmd
 
 
-def check_commit(git: Git, commit: Commit, ns: argparse.Namespace, workdir: Path, checks: Sessions) -> CommitOutcome:
+def check_commit(git: Git, commit: Commit, ns: argparse.Namespace, workdir: Path, checks: Sessions,
+                 extra_args: ExtraArgs | None = None) -> CommitOutcome:
     """`harness check` on one commit's tree, in its own process (session), stopped after
-    `--commit-timeout` seconds: SIGTERM, so that it writes what it found, then SIGKILL."""
+    `--commit-timeout` seconds: SIGTERM, so that it writes what it found, then SIGKILL.
+    `extra_args(commit, workdir)`: more options of that commit's check (`history --perf`'s)."""
     if checks.stopped:
         return CommitOutcome("error", reason=STOPPED)
     tree = workdir / commit.short
@@ -60,10 +67,11 @@ def check_commit(git: Git, commit: Commit, ns: argparse.Namespace, workdir: Path
     except (UsageError, subprocess.SubprocessError) as e:
         return CommitOutcome("error", reason=f"cannot export the commit: {e}")
     out = workdir / f"{commit.short}.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tree), str(HARNESS_ROOT),
-                                                                      os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, **EAGER, PYTHONPATH=os.pathsep.join(filter(None, [str(tree), str(HARNESS_ROOT),
+                                                                               os.environ.get("PYTHONPATH")])))
     with open(workdir / f"{commit.short}.log", "w+") as log:
-        proc = checks.start(check_command(ns, out), cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
+        cmd = check_command(ns, out) + (extra_args(commit, workdir) if extra_args is not None else [])
+        proc = checks.start(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
         if proc is None:
             return CommitOutcome("error", reason=STOPPED)
         try:
@@ -86,14 +94,15 @@ def check_commit(git: Git, commit: Commit, ns: argparse.Namespace, workdir: Path
     return CommitOutcome("checked", seconds, result=json.loads(out.read_text()))
 
 
-def run_all(git: Git, todo: list[Commit], ns: argparse.Namespace, workdir: Path) -> dict[str, CommitOutcome]:
+def run_all(git: Git, todo: list[Commit], ns: argparse.Namespace, workdir: Path,
+            extra_args: ExtraArgs | None = None) -> dict[str, CommitOutcome]:
     """Each commit's outcome, `--jobs` at a time, with a progress line per commit done."""
     outcomes: dict[str, CommitOutcome] = {}
     checks = Sessions()
     start = time.perf_counter()
     workers = ThreadPoolExecutor(max_workers=ns.jobs)
     try:
-        futures = {workers.submit(check_commit, git, c, ns, workdir, checks): c for c in todo}
+        futures = {workers.submit(check_commit, git, c, ns, workdir, checks, extra_args): c for c in todo}
         for done, future in enumerate(as_completed(futures), 1):
             commit = futures[future]
             outcome = outcomes[commit.sha] = future.result()
@@ -127,7 +136,7 @@ def repro_at_commit(ns: argparse.Namespace) -> int:
             cmd += [f"--{option}", str(getattr(ns, option))]
     with tempfile.TemporaryDirectory(prefix="harness-repro-") as tmp:
         git.export(sha, Path(tmp))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [tmp, str(HARNESS_ROOT),
-                                                                        os.environ.get("PYTHONPATH")])))
+        env = dict(os.environ, **EAGER, PYTHONPATH=os.pathsep.join(filter(None, [tmp, str(HARNESS_ROOT),
+                                                                                 os.environ.get("PYTHONPATH")])))
         print(f"[repro] {ns.repo} at {sha[:10]}", file=sys.stderr, flush=True)
         return subprocess.run(cmd, cwd=tmp, env=env, check=False).returncode

@@ -328,3 +328,32 @@ def prepared_call(target: Target, case: KernelCase, rank: int, device: torch.dev
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
             loss.backward()
     return call
+
+
+def prepared_linear_call(target: Target, case: LinearCase, rank: int, device: torch.device,
+                         group: Any) -> Callable[[], None]:
+    """One forward+backward of the target's fused-linear routine on this rank's shard, inputs built once."""
+    inputs = LinearShard.of(case, rank, device)
+
+    def call() -> None:
+        for leaf in (inputs.source if inputs.source is not None else inputs.hidden, inputs.weight):
+            leaf.grad = None
+        loss = inputs.loss(*inputs.call(target, case, group))
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            loss.backward()
+    return call
+
+
+def prepared_distill_call(target: Target, case: DistillCase, rank: int, device: torch.device,
+                          group: Any) -> Callable[[], None]:
+    """One forward+backward of the case's distillation function on this rank's shard, inputs built once."""
+    inputs = DistillShard.of(case, rank, device)
+
+    def call() -> None:
+        for leaf in (inputs.source, inputs.teacher):
+            if leaf is not None:
+                leaf.grad = None
+        loss = inputs.loss(inputs.call(target, case, group)[0])
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            loss.backward()
+    return call

@@ -31,6 +31,7 @@ from harness.engine.calls import (
 )
 from harness.engine.observations import HARNESS_STEP, KernelPass, Observation, RankResult, TensorMeta
 from harness.engine.state_watch import watched, watching
+from harness.engine.warnings_seen import sorted_warnings
 from harness.meters import trace
 from harness.meters.matmul_flops import Work
 from harness.meters.memory_meter import Meter
@@ -486,7 +487,7 @@ def run_on_rank(case: Case, target: Target, rank: int, device: torch.device, cp_
     result = RankResult(rank)
     group = tp_group()
     compile_per_signature(target)
-    with trace.recording() as events, watching(device, case.level) as watch:
+    with trace.recording() as events, watching(device, case.level) as watch, sorted_warnings() as warned:
         try:
             levels.of(case).run(case, target, rank, group, device, result.obs, meter_memory, cp_rank)
         except Exception as e:  # the target's failure is data
@@ -498,6 +499,7 @@ def run_on_rank(case: Case, target: Target, rank: int, device: torch.device, cp_
             result.obs.traceback = failed.obs.traceback
     result.trace = list(events)
     result.obs.side_effects = watch.findings
+    result.obs.warnings = [str(w) for w in warned]
     return result
 
 

@@ -81,6 +81,9 @@ class Observation:
     # Wrapper level: the routine asked megatron-core's parallel_state for its context-parallel
     # group, rank or size (`executor.cp_queries`): it implements CP, whatever its capabilities say.
     cp_queried: bool = False
+    # The routine's warnings that the user's warnings filters turn into errors (`engine.warnings_seen`),
+    # each "Category at file:line: message".
+    warnings: list[str] = field(default_factory=list)
     step_refused: str = ""  # the output the harness's loss step could not use (HARNESS_STEP), by its key
     traceback: str = ""
 

@@ -6,13 +6,15 @@ Named for its level, as `reference/distill.py` is its oracle's math, `checks/dis
 from __future__ import annotations
 
 from harness.base.levels import Counts, Level, register
+from harness.cases.benchmarks import DISTILL_PERF_CASES
 from harness.cases.capabilities import fit_distill
 from harness.cases.case import DistillCase
-from harness.cases.strategies import distill_cases
+from harness.cases.strategies import distill_cases, distill_cover
 from harness.checks import oracle
 from harness.checks.distill import DISTILL_JUDGE
 from harness.checks.memory import DistillMemory
 from harness.checks.scripts.distill import DISTILL_SCRIPT
+from harness.engine.calls import prepared_distill_call
 from harness.engine.executor import run_distill
 from harness.targets import DISTILL, Contract
 
@@ -35,11 +37,14 @@ LEVEL = register(Level(
     missing_capability=lambda key: f"distill_{key}",
     fit=fit_distill,
     strategy=distill_cases,
+    cover=distill_cover,  # every divergence x teacher x renormalization at a temperature, at any TP sizes
     run=run_distill,
     expected=oracle.distill_expected,
     judge=DISTILL_JUDGE,
     memory=DistillMemory(),
     script=DISTILL_SCRIPT,
     evidence=frozenset({"call", "empty-call", "no-grad-call", "oracle", "divergence", "memory", "memory-logits"}),
+    benchmarks=DISTILL_PERF_CASES,
+    benchmark=prepared_distill_call,
     counts=Counts(cases={"smoke": 6, "ci": 40, "thorough": 400}, dp={"ci": 4, "thorough": 60}),
 ))

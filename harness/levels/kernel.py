@@ -5,6 +5,7 @@ Named for its level, as `reference/kernel.py` is its oracle's math, `checks/kern
 from __future__ import annotations
 
 from harness.base.levels import Counts, Level, register
+from harness.cases.benchmarks import PERF_CASES
 from harness.cases.capabilities import fit
 from harness.cases.case import KernelCase
 from harness.cases.strategies import kernel_cases
@@ -13,6 +14,7 @@ from harness.checks.kernel import KERNEL_JUDGE
 from harness.checks.memory import LogitsMemory
 from harness.checks.scripts.kernel import KERNEL_SCRIPT
 from harness.checks.terms import TOKEN_TERMS
+from harness.engine.calls import prepared_call
 from harness.engine.executor import run_kernel
 from harness.targets import KERNEL, Contract
 
@@ -33,5 +35,7 @@ LEVEL = register(Level(
     script=KERNEL_SCRIPT,
     evidence=frozenset({"call", "empty-call", "no-grad-call", "oracle", "repeatable", "batch-rows", "memory",
                         "memory-allowance", "metric-only-entropy", "memory-logits"}),
+    benchmarks=PERF_CASES,
+    benchmark=prepared_call,
     counts=Counts(cases={"smoke": 12, "ci": 150, "thorough": 1200}, dp={"ci": 24, "thorough": 300}),
 ))

@@ -6,6 +6,7 @@ defects: a level keeps one module name across the layers."""
 from __future__ import annotations
 
 from harness.base.levels import Counts, Level, register
+from harness.cases.benchmarks import LINEAR_PERF_CASES
 from harness.cases.capabilities import fit
 from harness.cases.case import LinearCase
 from harness.cases.strategies import linear_cases
@@ -14,6 +15,7 @@ from harness.checks.kernel import LINEAR_JUDGE
 from harness.checks.memory import LinearMemory
 from harness.checks.scripts.linear import LINEAR_SCRIPT
 from harness.checks.terms import TOKEN_TERMS
+from harness.engine.calls import prepared_linear_call
 from harness.engine.executor import run_linear
 from harness.targets import LINEAR, Contract
 
@@ -36,5 +38,7 @@ LEVEL = register(Level(
     script=LINEAR_SCRIPT,
     evidence=frozenset({"call", "empty-call", "oracle", "memory", "memory-allowance", "metric-only-entropy",
                         "memory-logits", "linear-memory", "matmul-work"}),
+    benchmarks=LINEAR_PERF_CASES,
+    benchmark=prepared_linear_call,
     counts=Counts(cases={"smoke": 4, "ci": 30, "thorough": 300}),
 ))

@@ -7,7 +7,11 @@ collection off. After the imports and warm-up calls it says so on stdout; the pa
 instrumentation on with `callgrind_control -i on` and tells the child to go. The child runs each
 measured call through `sys.call_tracing`, whose C function `_PyEval_CallTracing` is the
 `--toggle-collect` marker: collection is on exactly while the routine runs, and `--dump-after`
-writes one profile per call, so each dump holds that call's count and nothing else.
+writes one profile per call, so each dump holds that call's count and nothing else. The routine
+gets a process group of one rank as its TP group, as a TP 1 case does on the pools (a trainer's
+routine asks it for its rank, or all-reduces over it); the child imports the target from the
+parent's PYTHONPATH (a user's or a commit's tree), and when it fails, the error says what the
+child said last (`stderr_tail`).
 
 Counts depend on the program and its environment (Python, torch, valgrind, the CPU features
 valgrind emulates): `environment()` names them, and counts are only compared within one.
@@ -24,17 +28,19 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from harness.base import levels
 from harness.base.errors import InstructionCountError
-from harness.cases.case import KernelCase
 
 MARKER = "_PyEval_CallTracing"  # the C function behind sys.call_tracing: called by nothing else we run
 WARMUP_CALLS = 3  # lazy initialisation and Python's specializing interpreter settle before counting
 REPEATS = 2  # measured calls per case: their agreement is the repeatability the record carries
 TIMEOUT_S = 900.0
-KEPT_ENV = ("PATH", "HOME", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
+# PYTHONPATH carries a user's or a commit's tree to the child; TORCHDYNAMO_DISABLE decides whether a
+# compiled routine runs compiled, as it does on the pools.
+KEPT_ENV = ("PATH", "HOME", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "TORCHDYNAMO_DISABLE")
+TAIL_LINES = 8  # of the child's stderr, in a failure's message
 
 
 def available() -> str | None:
@@ -45,7 +51,7 @@ def available() -> str | None:
     return None
 
 
-def count(target_spec: str, cases: list[KernelCase]) -> dict[str, Any]:
+def count(target_spec: str, cases: list[Any]) -> dict[str, Any]:
     """Instructions of one forward+backward per case (single rank, `tp_group=None`), in order.
 
     Returns {"environment": {...}, "cases": {case_spec: {"instructions": n, "repeats": [n, ...]}}}.
@@ -71,8 +77,9 @@ def count(target_spec: str, cases: list[KernelCase]) -> dict[str, Any]:
             ready = child.stdout.readline()
             if not ready.startswith("ready"):
                 child.kill()
-                raise InstructionCountError(f"the callgrind child failed before measuring: {ready}"
-                                            f"{child.communicate(timeout=60)[1][-2000:]}")
+                out, err = child.communicate(timeout=60)
+                raise InstructionCountError(f"the callgrind child failed before measuring (exit {child.returncode}): "
+                                            f"{stderr_tail(ready + out, err)}")
             environment = json.loads(ready.removeprefix("ready"))
             ctl = subprocess.run(["callgrind_control", "-i", "on", str(child.pid)], capture_output=True,
                                  text=True, timeout=120)
@@ -86,13 +93,21 @@ def count(target_spec: str, cases: list[KernelCase]) -> dict[str, Any]:
             child.communicate()
             raise InstructionCountError(f"the callgrind child did not finish within {TIMEOUT_S:.0f}s") from None
         if child.returncode != 0:
-            raise InstructionCountError(f"the callgrind child exited with {child.returncode}: {err[-2000:]}")
+            raise InstructionCountError(f"the callgrind child exited with {child.returncode}: {stderr_tail('', err)}")
         counts = _dump_totals(out, len(cases) * REPEATS)
     per_case = {}
     for i, case in enumerate(cases):
         repeats = counts[i * REPEATS:(i + 1) * REPEATS]
         per_case[case.spec()] = {"instructions": repeats[0], "repeats": repeats}
     return {"environment": {**environment, "valgrind": _valgrind_version()}, "cases": per_case}
+
+
+def stderr_tail(out: str, err: str) -> str:
+    """What the child said last, without valgrind's own `==PID==` lines: the error that stopped it
+    (a traceback's last lines), in one line."""
+    lines = [line.strip() for line in (out + "\n" + err).splitlines()
+             if line.strip() and not re.match(r"^==\d+==", line.strip())]
+    return " | ".join(lines[-TAIL_LINES:]) or "no output"
 
 
 def _dump_totals(base: Path, expected: int) -> list[int]:
@@ -114,16 +129,29 @@ def _valgrind_version() -> str:
 
 
 # ---------------------------------------------------------------------------- the child, under valgrind
+def _single_rank_group() -> Any:
+    """A process group of one rank, passed as the TP group, as a TP 1 case has on the pools: a
+    trainer's routine hands it to code that asks it for its rank (megatron-core's fused cross
+    entropy), or all-reduces over the default group, and fails without one. Gloo through a file
+    store: no network."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return None
+    store = os.path.join(tempfile.mkdtemp(prefix="harness-callgrind-store-"), "store")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    return dist.group.WORLD
+
+
 def _child(job: dict[str, Any]) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from harness.engine.calls import prepared_call
     from harness.targets import load_target
 
+    group = _single_rank_group()
     target = load_target(job["target"])
-    # The performance gate's cases, which are kernel cases.
-    calls = [prepared_call(target, cast(KernelCase, levels.parse(spec)), rank=0, device=torch.device("cpu"), group=None)
+    calls = [levels.benchmark_call(target, levels.parse(spec), rank=0, device=torch.device("cpu"), group=group)
              for spec in job["cases"]]
     for call in calls:
         for _ in range(WARMUP_CALLS):

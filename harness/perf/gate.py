@@ -26,13 +26,11 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
 from harness.base import levels
 from harness.base.errors import InstructionCountError, TargetError, UsageError
-from harness.cases.benchmarks import PERF_CASES
 from harness.cases.capabilities import needs
-from harness.cases.case import KernelCase
 from harness.checks.findings import Finding
 from harness.driver.runner import Runner
 from harness.engine.observations import RankResult
@@ -64,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--baseline-target", metavar="SPEC",
                    help="the routine the baseline was recorded from, importable here under any name: "
                         "timed alternately with --target (default: the baseline's own target, when its "
-                        "code is unchanged)")
+                        "code is unchanged); with --save-baseline alone, the routine the saved figures "
+                        "are timed against, paired (`harness history --perf`)")
     g.add_argument("--slowdown-threshold", type=fraction, default=DEFAULT_THRESHOLD, metavar="FRACTION",
                    help="the slowdown the gate must catch (default 0.10); a case is flagged when its "
                         "slowdown is beyond half of this with 95%% confidence")
@@ -81,30 +80,32 @@ def finish(ns: argparse.Namespace, runner: Runner, result: dict[str, Any]) -> li
         findings = comparison.findings
     if ns.save_baseline:
         cases = benchmark_cases(runner, ns.tp)
-        save(record(runner, cases, say), ns.save_baseline)
+        reference = ns.baseline_target if not ns.baseline else None  # with --baseline it names that one's routine
+        save(record(runner, cases, say, reference), ns.save_baseline)
         say(f"saved {len(cases)} cases to {ns.save_baseline}")
         result["baseline_saved"] = ns.save_baseline
     return findings
 
 
 # ---------------------------------------------------------------------------- recording
-def benchmark_cases(runner: Runner, tps: list[int]) -> list[KernelCase]:
-    """The benchmark cases at these TP sizes, fitted to what the target can take."""
-    # `fit` keeps a case's class: these stay kernel cases.
-    return list(dict.fromkeys(cast(KernelCase, runner.fit(c)) for c in PERF_CASES if c.tp in tps))
+def benchmark_cases(runner: Runner, tps: list[int]) -> list[Any]:
+    """The benchmark cases of the target's levels (`Level.benchmarks`) at these TP sizes, fitted to
+    what the target can take."""
+    return list(dict.fromkeys(runner.fit(c) for lvl in runner.target.levels for c in levels.get(lvl).benchmarks
+                              if c.tp in tps))
 
 
 def code_fingerprint(target: Target) -> str:
-    """sha256 of the source files behind the target's kernel: its module and, for a bound routine,
-    every class it inherits from. Equal fingerprints: the same code, whatever it is called."""
-    fn = target.kernel
-    owners = type(fn.__self__).__mro__ if fn is not None and hasattr(fn, "__self__") else ()
+    """sha256 of the source files behind the target's routines: their modules and, for a bound
+    routine, every class it inherits from. Equal fingerprints: the same code, whatever it is called."""
     files = set()
-    for obj in (fn, *owners) if fn is not None else ():
-        try:
-            files.add(inspect.getsourcefile(obj))
-        except TypeError:  # builtins (object) have no source
-            pass
+    for fn in (fn for routines in target.routines.values() for fn in routines.values()):
+        owners = type(fn.__self__).__mro__ if hasattr(fn, "__self__") else ()
+        for obj in (fn, *owners):
+            try:
+                files.add(inspect.getsourcefile(obj))
+            except TypeError:  # builtins (object) have no source
+                pass
     digest = hashlib.sha256()
     for source in sorted(Path(f).read_bytes() for f in files if f):  # by content: paths do not matter
         digest.update(source)
@@ -115,13 +116,17 @@ ENTROPY_LABELS = {"log-prob only": "logprob", "metric-only entropy": "ent-metric
                   "differentiable entropy": "ent-grad"}
 
 
-def label(case: KernelCase) -> str:
-    """Short name of a benchmark case for tables: TP, T x V_local, dtype, entropy, chunk, mask."""
-    entropy = ENTROPY_LABELS[case.entropy_mode]
-    parts = [f"tp{case.tp}", f"T{case.T}xV{case.v_local}", case.dtype, entropy]
+def label(case: Any) -> str:
+    """Short name of a benchmark case for tables: TP, T x V_local (x H, the fused-linear level's hidden
+    size), dtype, entropy or the distillation function, chunk, mask."""
+    hidden = f"xH{case.H}" if hasattr(case, "H") else ""
+    parts = [f"tp{case.tp}", f"T{case.T}xV{case.v_local}{hidden}", case.dtype]
+    function = getattr(case, "function", None)  # a distillation case: its function and divergence
+    parts += [function, *([case.kind, f"teacher-{case.teacher}"] if function == "divergence" else [])] if function \
+        else [ENTROPY_LABELS[case.entropy_mode]]
     if case.chunk_size > 0:
         parts.append(f"chunk{case.chunk_size}")
-    if case.mask != "none":
+    if getattr(case, "mask", "none") != "none":
         parts.append(f"mask-{case.mask}")
     return " ".join(parts)
 
@@ -153,7 +158,7 @@ def memory_figures(ranks: list[RankResult]) -> dict[str, int | float]:
     return dict(sorted(out.items()))
 
 
-def pool_values(runner: Runner, case: KernelCase, job: str, *args: Any) -> list[Any]:
+def pool_values(runner: Runner, case: Any, job: str, *args: Any) -> list[Any]:
     """A timing job on every rank of the case's pool; merged per call over ranks."""
     replies = runner.pool(case.tp).run(job, *args, deadline_s=600)
     errors = [r.error for r in replies if isinstance(r, RankResult)]
@@ -162,7 +167,7 @@ def pool_values(runner: Runner, case: KernelCase, job: str, *args: Any) -> list[
     return timing.merge_ranks(replies)
 
 
-def _static(runner: Runner, case: KernelCase) -> dict[str, Any]:
+def _static(runner: Runner, case: Any) -> dict[str, Any]:
     """The deterministic figures of one case from the runner's (cached) execution."""
     ev = runner.run(case)
     if ev.failed_ranks:
@@ -174,11 +179,21 @@ def _clock(device: str) -> str:
     return "cuda-events" if device == "cuda" else "cpu-process-time"
 
 
-def record(runner: Runner, cases: list[KernelCase], say: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
-    """The baseline of the runner's target: one entry per case, in order."""
+def record(runner: Runner, cases: list[Any], say: Callable[[str], None] = lambda m: None,
+           reference: str | None = None, threshold: float = DEFAULT_THRESHOLD) -> dict[str, Any]:
+    """The baseline of the runner's target: one entry per case, in order. With `reference` (a
+    routine importable here under another name, `--baseline-target`), each case's time is also
+    paired against it (`paired`: the median ratio target/reference, its interval and the verdict
+    at `threshold`), or why it could not be (`reference_error`)."""
     target = runner.target
-    if target.kernel is None:
-        raise TargetError(f"{target.spec} has no kernel: the benchmark cases call the kernel")
+    if not cases:
+        raise TargetError(f"{target.spec} has no benchmark cases: none of its levels ({', '.join(target.levels)}) has any")
+    why_unpaired = None
+    if reference is not None:
+        try:
+            load_target(reference)
+        except TargetError as e:
+            why_unpaired = f"the reference routine cannot be imported: {e}"
     entries = []
     for case in cases:
         say(f"recording {label(case)}")
@@ -186,6 +201,9 @@ def record(runner: Runner, cases: list[KernelCase], say: Callable[[str], None] =
         if "error" not in entry:
             times = sorted(pool_values(runner, case, TIME_JOB, case, target.spec, timing.REPEATS))
             entry["time_s"] = times[len(times) // 2]
+            if reference is not None:
+                entry["paired"] = _paired(runner, case, reference, threshold) if why_unpaired is None \
+                    else {"against": reference, "error": why_unpaired[-500:]}
         entries.append(entry)
     counted = _instructions(target.spec, [c for c in cases if c.tp == 1], runner.device, say)
     for entry in entries:
@@ -195,11 +213,23 @@ def record(runner: Runner, cases: list[KernelCase], say: Callable[[str], None] =
             entry["instruction_repeats"] = got["repeats"]
     return {"format": FORMAT, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "target": target.spec, "code": code_fingerprint(target), "device": runner.device,
-            "memory_ledger": ledger_name(),
-            "clock": _clock(runner.device), "environment": counted.get("environment"), "cases": entries}
+            "memory_ledger": ledger_name(), "clock": _clock(runner.device), "environment": counted.get("environment"),
+            **({"instructions_skipped": counted["skipped"]} if "skipped" in counted else {}),
+            **({"reference": reference, "threshold": threshold} if reference is not None else {}), "cases": entries}
 
 
-def _instructions(spec: str, cases: list[KernelCase], device: str, say: Callable[[str], None]) -> dict[str, Any]:
+def _paired(runner: Runner, case: Any, reference: str, threshold: float) -> dict[str, Any]:
+    """The target timed against `reference` on the case's pool, alternately (`timing.sequential_ratio`)."""
+    try:
+        r, rounds = timing.sequential_ratio(lambda seed: pool_values(runner, case, PAIRED_JOB, case, reference,
+                                                                     runner.target.spec, timing.PAIRS, seed), threshold)
+    except RuntimeError as e:  # the reference routine failed where the target did not
+        return {"against": reference, "error": str(e)[-500:]}
+    return {"against": reference, "ratio": r.median, "ci": [r.low, r.high], "old_s": r.old_s, "new_s": r.new_s,
+            "pairs": r.pairs, "rounds": rounds, "verdict": r.verdict(threshold)}
+
+
+def _instructions(spec: str, cases: list[Any], device: str, say: Callable[[str], None]) -> dict[str, Any]:
     if not cases or device != "cpu":
         return {}
     why = callgrind.available()
@@ -211,7 +241,7 @@ def _instructions(spec: str, cases: list[KernelCase], device: str, say: Callable
         return callgrind.count(spec, cases)
     except InstructionCountError as e:  # the other figures still stand
         say(f"instruction counts failed: {e}")
-        return {"skipped": str(e)[:500]}
+        return {"skipped": str(e)[-800:]}  # its end: what failed
 
 
 def save(data: dict[str, Any], path: str | Path) -> None:
@@ -242,14 +272,14 @@ class Comparison:
     findings: list[Finding] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
-    def row(self, case: KernelCase, metric: str, before: Any, after: Any, verdict: str, bad: bool = False,
+    def row(self, case: Any, metric: str, before: Any, after: Any, verdict: str, bad: bool = False,
             ci: tuple[float, float] | None = None) -> None:
         ratio = after / before if isinstance(before, (int, float)) and isinstance(after, (int, float)) and before else None
         self.rows.append({"case": label(case), "spec": case.spec(), "metric": metric, "before": before,
                           "after": after, "ratio": ratio, "ci": list(ci) if ci else None, "verdict": verdict,
                           "bad": bad})
 
-    def flag(self, check: str, case: KernelCase, message: str) -> None:
+    def flag(self, check: str, case: Any, message: str) -> None:
         repro = (f"python -m harness check --target {shlex.quote(self.target)} --tp {case.tp} --profile smoke "
                  f"--baseline {shlex.quote(self.file)}")
         if self.reference and self.reference != self.baseline_target:
@@ -310,8 +340,8 @@ def compare(runner: Runner, base: dict[str, Any], threshold: float = DEFAULT_THR
     reference, why = reference_routine(base, baseline_target)
     clock = _clock(runner.device)
     cmp = Comparison(str(file), runner.target.spec, base["target"], reference, threshold, clock, notes=[why])
-    if runner.target.kernel is None:
-        cmp.notes.append("not compared: the target has no kernel.")
+    if not runner.target.levels:
+        cmp.notes.append("not compared: the target has no routine.")
         return cmp
     if base.get("clock") != clock:
         cmp.notes.append(f"the baseline was timed with {base.get('clock')}, this run with {clock}.")
@@ -320,7 +350,8 @@ def compare(runner: Runner, base: dict[str, Any], threshold: float = DEFAULT_THR
     if not memory_comparable:
         cmp.notes.append(f"memory: not compared, the baseline was measured by the {base_ledger} ledger and this run "
                          f"by the {ledger} one (their figures may differ; HARNESS_LEDGER={base_ledger} compares).")
-    entries = [(cast(KernelCase, levels.parse(e["case"])), e) for e in base["cases"]]  # the gate's cases: kernel cases
+    entries = [(levels.parse(e["case"]), e) for e in base["cases"]
+               if levels.parse(e["case"]).level in runner.target.levels]  # a level the target has
     counted = _instructions(runner.target.spec, [c for c, e in entries if "instructions" in e], runner.device, say)
     same_env = counted.get("environment") == base.get("environment")
     if "skipped" in counted:
@@ -354,7 +385,7 @@ def compare(runner: Runner, base: dict[str, Any], threshold: float = DEFAULT_THR
     return cmp
 
 
-def _compare_time(cmp: Comparison, runner: Runner, case: KernelCase, old: dict[str, Any],
+def _compare_time(cmp: Comparison, runner: Runner, case: Any, old: dict[str, Any],
                   reference: str | None, threshold: float) -> None:
     if reference is None:
         times = sorted(pool_values(runner, case, TIME_JOB, case, runner.target.spec, timing.REPEATS))
@@ -372,7 +403,7 @@ def _compare_time(cmp: Comparison, runner: Runner, case: KernelCase, old: dict[s
                  f"{threshold / 2:.0%} decision line of the {threshold:.0%} threshold")
 
 
-def _compare_instructions(cmp: Comparison, case: KernelCase, before: int, after: int, threshold: float,
+def _compare_instructions(cmp: Comparison, case: Any, before: int, after: int, threshold: float,
                           judged: bool) -> None:
     ratio = after / before
     verdict = ("slower" if ratio > 1 + threshold / 2 else "faster" if ratio < 1 - threshold / 2 else "unchanged") \
@@ -384,7 +415,7 @@ def _compare_instructions(cmp: Comparison, case: KernelCase, before: int, after:
                  f"{ratio:.3f}x, beyond the {threshold / 2:.0%} decision line (counts repeat exactly)")
 
 
-def _compare_collectives(cmp: Comparison, case: KernelCase, before: dict[str, int], after: dict[str, int]) -> None:
+def _compare_collectives(cmp: Comparison, case: Any, before: dict[str, int], after: dict[str, int]) -> None:
     more = {op: (before.get(op, 0), n) for op, n in after.items() if n > before.get(op, 0)}
     total_before, total_after = sum(before.values()), sum(after.values())
     verdict = "more" if more else "fewer" if total_after < total_before else "same"
@@ -394,7 +425,7 @@ def _compare_collectives(cmp: Comparison, case: KernelCase, before: dict[str, in
                  ", ".join(f"{op} {a} -> {b}" for op, (a, b) in more.items()))
 
 
-def _compare_memory(cmp: Comparison, case: KernelCase, before: dict[str, int], after: dict[str, int]) -> None:
+def _compare_memory(cmp: Comparison, case: Any, before: dict[str, int], after: dict[str, int]) -> None:
     grown = {k: (v, after[k]) for k, v in before.items() if k != "peak_bytes" and after.get(k, v) > v}
     for metric in MEMORY_ROWS:
         if metric in before and metric in after:

@@ -1,13 +1,13 @@
 """Rank-side timing jobs of the performance gate, run on a case's pool with `pool.run(JOB, ...)`.
-The clocks and statistics are `perf.timing`'s; the call timed is `calls.prepared_call`."""
+The clocks and statistics are `perf.timing`'s; the call timed is the case level's `benchmark`."""
 from __future__ import annotations
 
 import gc
 import random
 from typing import Any, Callable
 
-from harness.cases.case import KernelCase
-from harness.engine.calls import prepared_call, tp_group
+from harness.base.levels import benchmark_call
+from harness.engine.calls import tp_group
 from harness.perf.timing import BLOCK, PAIRS, REPEATS, WARMUP_CALLS, Timer, steady_allocator, with_overhead
 from harness.targets import load_target
 
@@ -16,10 +16,10 @@ PAIRED_JOB = "harness.perf.jobs:paired_job"
 CALL_JOB = "harness.perf.jobs:call_job"
 
 
-def time_job(ctx: Any, case: KernelCase, spec: str, repeats: int = REPEATS, clock: str = "cpu") -> list[float]:
+def time_job(ctx: Any, case: Any, spec: str, repeats: int = REPEATS, clock: str = "cpu") -> list[float]:
     """Seconds per call of one routine, `repeats` calls after warm-up."""
     steady_allocator()
-    call = prepared_call(load_target(spec), case, ctx.rank, ctx.device, tp_group())
+    call = benchmark_call(load_target(spec), case, ctx.rank, ctx.device, tp_group())
     timer = Timer(ctx.device, clock)
     for _ in range(WARMUP_CALLS):
         call()
@@ -31,21 +31,21 @@ def time_job(ctx: Any, case: KernelCase, spec: str, repeats: int = REPEATS, cloc
         gc.enable()
 
 
-_prepared: dict[tuple[KernelCase, str], Callable[[], None]] = {}
+_prepared: dict[tuple[Any, str], Callable[[], None]] = {}
 
 
-def call_job(ctx: Any, case: KernelCase, spec: str) -> None:
+def call_job(ctx: Any, case: Any, spec: str) -> None:
     """One forward+backward, inputs kept from the previous call of the same case (the
     pytest-benchmark benchmarks time this from the driver)."""
     key = (case, spec)
     if key not in _prepared:
         steady_allocator()
         _prepared.clear()
-        _prepared[key] = prepared_call(load_target(spec), case, ctx.rank, ctx.device, tp_group())
+        _prepared[key] = benchmark_call(load_target(spec), case, ctx.rank, ctx.device, tp_group())
     _prepared[key]()
 
 
-def paired_job(ctx: Any, case: KernelCase, old_spec: str, new_spec: str, pairs: int = PAIRS,
+def paired_job(ctx: Any, case: Any, old_spec: str, new_spec: str, pairs: int = PAIRS,
                seed: int = 0, clock: str = "cpu", inject: float = 0.0,
                block: int = BLOCK) -> list[tuple[float, float]]:
     """(old seconds, new seconds) per pair, the two run alternately in this process,
@@ -56,8 +56,8 @@ def paired_job(ctx: Any, case: KernelCase, old_spec: str, new_spec: str, pairs: 
     that fraction slower (the calibration script's known slowdowns)."""
     steady_allocator()
     group = tp_group()
-    old = prepared_call(load_target(old_spec), case, ctx.rank, ctx.device, group)
-    new = prepared_call(load_target(new_spec), case, ctx.rank, ctx.device, group)
+    old = benchmark_call(load_target(old_spec), case, ctx.rank, ctx.device, group)
+    new = benchmark_call(load_target(new_spec), case, ctx.rank, ctx.device, group)
     timer = Timer(ctx.device, clock)
     if inject:
         if timer.cuda:

@@ -15,9 +15,11 @@ from harness.checks.findings import Finding, from_json, script_command
 from harness.checks.verdicts import KNOWN_KEPT
 from harness.driver.git_trees import Commit
 from harness.driver.replay import CommitOutcome
+from harness.perf.commits import summary as perf_summary
 from harness.report import matrix
 from harness.report.render import environment
 
+PERF_MARK = "PERF CHANGES HERE"
 MARKS = {"introduced": "FAILS FROM HERE: ", "failing": "FAILS ALREADY: ", "fixed": "FIXED HERE: ",
          "changed": "CHANGES HERE: "}
 NO_RECORD = "no finding recorded"
@@ -131,9 +133,65 @@ def no_family_note(h: dict[str, Any]) -> str:
     return "No commit could be checked: each row says why."
 
 
+def perf_cell(row: dict[str, Any]) -> str:
+    """A row's perf column: its changes named (`PERF CHANGES HERE: regression: ...`), or why none."""
+    perf = row.get("perf") or {}
+    if perf.get("changes"):
+        return f"{PERF_MARK}: {perf_summary(perf['changes'])}"
+    if "against" in perf:
+        return "no change"
+    return "; ".join(perf.get("notes", [])) or "-"
+
+
+def perf_detail(h: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every change of every row, with its commit and the commit it is measured against."""
+    return [{"commit": row["short"], "against": row["perf"].get("against", ""), **c}
+            for row in h["rows"] for c in (row.get("perf") or {}).get("changes", [])]
+
+
+def _perf_value(metric: str, x: Any) -> str:
+    if isinstance(x, float) and not x.is_integer():
+        return f"{x:.3f}"
+    return f"{int(x):,}" if isinstance(x, (int, float)) else str(x)
+
+
+def perf_ratio(c: dict[str, Any]) -> str:
+    text = "-" if c["ratio"] is None else f"{c['ratio']:.3f}"
+    return text + (f" [{c['ci'][0]:.3f}, {c['ci'][1]:.3f}]" if c.get("ci") else "")
+
+
+def perf_markdown(h: dict[str, Any]) -> list[str]:
+    """The perf table: one line per change (commit, metric, case, before, after, ratio, direction)."""
+    detail = perf_detail(h)
+    if not detail:
+        return ["No performance change between the commits compared."]
+    lines = ["| commit | against | metric | case | before | after | ratio | direction |", "|---|---|---|---|---:|---:|---:|---|"]
+    for c in detail:
+        lines.append("| " + " | ".join(_md([f"`{c['commit']}`", f"`{c['against']}`", c["metric"], c["case"],
+                                              _perf_value(c["metric"], c["before"]), _perf_value(c["metric"], c["after"]),
+                                              perf_ratio(c), c["direction"]])) + " |")
+    return lines
+
+
+def perf_lines(h: dict[str, Any]) -> list[str]:
+    """The console's perf block: a "PERF CHANGES HERE" line per commit that changed, then its changes."""
+    if not h.get("perf"):
+        return []
+    out = [""]
+    for row in h["rows"]:
+        changes = (row.get("perf") or {}).get("changes", [])
+        if changes:
+            out.append(f"{PERF_MARK} on {row['short']} ({row['subject'][:60]}), against {row['perf']['against']}: "
+                       f"{perf_summary(changes)}")
+            out += [f"  {c['direction']:<11} {c['metric']}: {_perf_value(c['metric'], c['before'])} -> "
+                    f"{_perf_value(c['metric'], c['after'])} ({perf_ratio(c)}) on {c['case']}" for c in changes]
+    return out if len(out) > 1 else ["", "no performance change between the commits compared"]
+
+
 def render_markdown(h: dict[str, Any]) -> str:
     fams = h["families"]
-    head = ["commit", "authored", "subject", "result", *fams]
+    perf = bool(h.get("perf"))
+    head = ["commit", "authored", "subject", "result", *fams, *(["perf"] if perf else [])]
     lines = [f"# `harness history`: {h['target']} over {len(h['rows'])} commit(s)", "",
              f"Repository `{h['repo']}`, files {', '.join(f'`{p}`' for p in h['paths'])}; profile {h['profile']}, "
              f"TP {', '.join(map(str, h['tp']))}; {h['checked']} distinct version(s) checked in {h['elapsed_s']:.0f} s.", "",
@@ -150,7 +208,11 @@ def render_markdown(h: dict[str, Any]) -> str:
             cells = [cell_text(row["cells"][f]) if f in row["cells"] else "-" for f in fams]
         else:
             result, cells = f"{row['status']}: {row['reason']}", ["-"] * len(fams)
+        cells += [perf_cell(row)] if perf else []
         lines.append("| " + " | ".join(_md([f"`{row['short']}`", row["date"], row["subject"][:60], result, *cells])) + " |")
+    if perf:
+        lines += ["", "Performance, each commit against the previous one with figures (docs/performance.md):", "",
+                  *perf_markdown(h)]
     if not fams:  # no failing family, so no stretch either: an empty table would not say why
         return "\n".join([*lines, "", no_family_note(h)]) + "\n"
     lines += ["", "| family | brought in by | changed at | fixed by | first finding's repro |", "|---|---|---|---|---|"]
@@ -199,4 +261,5 @@ def _md(cells: list[str]) -> list[str]:
 
 def render_html(h: dict[str, Any]) -> str:
     return environment(autoescape=True).get_template("history.html.j2").render(
-        h=h, cell_text=cell_text, cell_title=cell_title, no_family_note=no_family_note(h), no_record=NO_RECORD)
+        h=h, cell_text=cell_text, cell_title=cell_title, no_family_note=no_family_note(h), no_record=NO_RECORD,
+        perf_cell=perf_cell, perf_detail=perf_detail(h), perf_value=_perf_value, perf_ratio=perf_ratio)

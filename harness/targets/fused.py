@@ -192,6 +192,11 @@ class FusedLogProbEntropy:
         """Dropped entries set to -inf, out of place."""
         return x.masked_fill(~keep, float("-inf"))
 
+    def log_prob(self, target_logit: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """log p(target) = x_t - lse: an ordinary float32 number however far in the tail, where the
+        log of the probability itself would underflow (below -87, and to -inf below -103)."""
+        return target_logit - lse
+
     def entropy_term(self, x: torch.Tensor, e: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         """This shard's sum(e (x - m)), with p == 0 entries contributing 0 (not 0 * -inf)."""
         ex = torch.where(e > 0, e * (x - m.unsqueeze(-1)), torch.zeros_like(e))
@@ -273,10 +278,10 @@ class FusedLogProbEntropy:
             lse = m + torch.log(sums["sumexp"])
             q_rows = q_buf[s:e] if q_buf is not None else None
             if keep_mask is None:
-                lps.append(sums["target_logit"] - lse)
+                lps.append(self.log_prob(sums["target_logit"], lse))
                 self.softmax_into(q_rows, ex, sums["sumexp"])
             else:
-                lps.append(sums["target_logit"] - (mm + torch.log(sums["masked_sumexp"])))
+                lps.append(self.log_prob(sums["target_logit"], mm + torch.log(sums["masked_sumexp"])))
                 self.softmax_into(q_rows, exm, sums["masked_sumexp"])
             if with_entropy:
                 ents.append(self.entropy(sums[ent_sum], sums["entropy_term"]))

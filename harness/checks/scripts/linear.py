@@ -1,135 +1,118 @@
 """The fused-linear level's stand-alone scripts (`LINEAR_SCRIPT`): the hidden states and one rank's
-rows of the LM head handed to `calculate_linear_log_probs_and_entropy`, judged against
-`reference/linear.py`'s float64 answer.
+rows of the LM head handed to `calculate_linear_log_probs_and_entropy`, judged against the float64
+log-softmax of `hidden @ weight.T`, as `scripts/kernel.py` judges the kernel's.
 
-Named for its level, as `reference/linear.py` is its oracle and `targets/mutants/linear.py` breaks
-it: a level keeps one module name across the layers. It judges its outputs as `scripts/kernel.py`
-does (`TOKEN_JUDGES`), with its own reference and gradients.
+Named for its level, as `reference/linear.py` is its oracle and `targets/mutants/linear.py` breaks it.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from harness.cases.case import LinearCase
-from harness.checks.scripts import LevelScript
-from harness.checks.scripts.kernel import TOKEN_CODE, TOKEN_JUDGES
-from harness.meters.matmul_flops import Work
-from harness.reference import linear as reference
+from harness.checks.scripts import ALLOCATED, ANY, FREED, LevelScript, Parts, code, dtype, tallied
+from harness.checks.scripts.kernel import EMPTY, ENTROPY, LOG_PROB, NONE, about, edges, judge_values, loss
 
-LINEAR_CODE = TOKEN_CODE + '''
-
-EXEMPT = (CASE.H,)  # a float32 copy of an input, or its gradient, is the allowance's, not the logits'
-VOCAB_DIM = 0
+LOGITS = "hidden.double() @ weight.double().T"
 
 
-def call(routine, rank, group, frozen):
-    """The whole hidden states and this rank's rows of the LM head, each a fresh leaf that requires
-    grad unless `frozen`; one call, and the backward of sum(w1 * log_prob) + sum(w2 * entropy)."""
-    x = inputs(CASE)
-    hidden = x.hidden.clone().requires_grad_(CASE.requires_grad and frozen != "hidden")
-    weight = x.weight[rank * CASE.v_local:(rank + 1) * CASE.v_local].clone()
-    weight.requires_grad_(CASE.requires_grad and frozen != "weight")
-    with phase("forward"):
-        log_prob, ent = routine(hidden, weight, x.tokens.clone(), group, with_entropy=CASE.with_entropy,
-                                chunk_size=CASE.chunk_size, with_entropy_grad=CASE.with_entropy_grad)
-    loss = weighted(log_prob, x.w_log_prob) + weighted(ent, x.w_entropy)
-    with phase("backward"):
-        if torch.is_tensor(loss):
-            loss.backward()
-    return {"log_prob": detached(log_prob), "entropy": detached(ent), "grad": weight.grad, "grad_hidden": hidden.grad}
+def write(case: Any, check: str, term: str, memory: bool) -> Parts:
+    backward = check != "values" and case.has_backward
+    body = "    log_prob, entropy = CALL"
+    after = f"\n    ({loss(case, 'log_prob', 'entropy')}).backward()" if backward else ""
+    if memory:
+        body, after = tallied("forward", body, True) + "\n    freed = " + FREED, \
+            "\n" + tallied("backward", after.lstrip("\n"), True)
+    out = '{"forward": freed, "backward": ' + ALLOCATED + "}" if memory else \
+        '{"log_prob": log_prob, "entropy": entropy, "grad": shard.grad, "grad_hidden": h.grad}'
+    scale = {"wide": 8.0}.get(case.regime, 2.0)
+    inputs = f'''
+def inputs():
+    """The hidden states [T, H], the whole LM head [V, H], the targets and the loss's weights, from SEED."""
+    g = torch.Generator().manual_seed(SEED)
+    hidden, weight = torch.randn(T, H, generator=g, dtype=torch.float64), torch.randn(V, H, generator=g, dtype=torch.float64) * {scale / max(case.H, 1) ** 0.5:.4g}
+    tokens = torch.randint(0, V, (T,), generator=g)
+    {edges(case)}
+    w_lp, w_ent = torch.randn(T, generator=g), torch.randn(T, generator=g)
+    return hidden.to({dtype(case)}), weight.to({dtype(case)}), tokens, w_lp, w_ent'''
+    grads = (case.requires_grad and case.frozen != "hidden", case.requires_grad and case.frozen != "weight")
+    run = f'''
+def run(fn, rank, group):
+    """The hidden states and rank `rank`'s rows of the LM head, leaves as a trainer's are; the call{"; the backward" if backward else ""}."""
+    hidden, weight, tokens, w_lp, w_ent = inputs()
+    h, shard = hidden.clone().requires_grad_({grads[0]}), weight[rank * V_LOCAL:(rank + 1) * V_LOCAL].clone().requires_grad_({grads[1]})
+{body}{after}
+    return {out}'''
+    args = {"hidden": ("h", ANY), "weight": ("shard", ANY), "tokens": ("tokens", ANY), "tp_group": ("group", ANY),
+            "with_entropy": (repr(case.with_entropy), case.with_entropy), "chunk_size": (repr(case.chunk_size), case.chunk_size),
+            "with_entropy_grad": (repr(case.with_entropy_grad), case.with_entropy_grad)}
+    if check == "values":
+        judge = judge_values(case, term, LOGITS).replace("logits, tokens, keep,", "hidden, weight, tokens,")
+    elif check == "gradients":
+        lossed = loss(case, "log_prob_of(x)", "entropy_of(x)").replace("w_lp", "w_lp.double()").replace("w_ent", "w_ent.double()")
+        judge = GRADIENTS.replace("LOSS", lossed)
+    elif check == "frozen-input-work":
+        run, judge = FLOPS_RUN.replace("CALL", "CALL"), FLOPS
+    else:
+        judge = EMPTY if check == "empty-input" else NONE
+    text = about(case, check if check != "frozen-input-work" else "crash", term)
+    if check == "frozen-input-work":
+        text = f"the frozen {case.frozen}'s gradient is computed anyway (matmul FLOPs) at TP {case.tp}"
+    return Parts(inputs, run, judge, args, text, {"H": case.H, "FROZEN": case.frozen})
 
 
-def run(routine, rank, group):
-    return call(routine, rank, group, CASE.frozen)
-
-
-def reference_outputs(x):
-    return linear_log_probs(x.hidden, x.weight, x.tokens), linear_entropy(x.hidden, x.weight)
-
-
-def reference_grads(x):
-    """The float64 gradients of the loss: w.r.t. the hidden states [T, H] and the whole head [V, H]."""
-    grads = linear_grads(x.hidden, x.weight, x.tokens, x.w_log_prob, x.w_entropy if CASE.expects_entropy_grad else None)
-    return grads[0], grads[1]
-
-
-def grad_pairs(results, x):
-    if not CASE.grad_on:
-        return []
-    hidden, weight = reference_grads(x)
-    pairs = [(f"rank {rank} hidden grad", r["grad_hidden"], hidden) for rank, r in enumerate(results)]
-    if all(r["grad"] is not None for r in results):
-        pairs.append(("weight grad (all shards)", torch.cat([r["grad"] for r in results]), weight))
-    return pairs
-'''
-
-LINEAR_JUDGES = {**TOKEN_JUDGES, "gradients": '''
-def judge(results):
-    """The gradients of sum(w1 * log_prob) (+ sum(w2 * entropy) when the entropy is in the loss) with
-    respect to every input the caller trains: the LM head's, gathered from every rank's rows, and the
-    hidden states' on every rank, against the float64 gradients of the same loss."""
-    hidden, weight = reference_grads(inputs(CASE))
-    problems = []
-    if CASE.weight_grad:
-        if any(r["grad"] is None for r in results):
-            problems.append("no gradient reached the weight shard")
-        else:
-            got = torch.cat([r["grad"] for r in results])
-            problems += compare(got, weight, GRAD_TOL, "weight grad (all shards)")[0]
-            if problems and TP > 1:
-                problems.append(f"outside the bound in the rows of rank(s) {off_ranks(got, weight, GRAD_TOL)}")
-    if CASE.hidden_grad:
+GRADIENTS = code(f'''
+    def judge(results):
+        """The gradients w.r.t. each rank's rows of the LM head and the hidden states, against float64 autograd."""
+        hidden, weight, tokens, w_lp, w_ent = inputs()
+        h, wd = hidden.double().requires_grad_(), weight.double().requires_grad_()
+        log_prob_of, entropy_of, x = lambda xm: {LOG_PROB}, lambda x: {ENTROPY}, h @ wd.T
+        want_h, want_w = torch.autograd.grad(LOSS, (h, wd))
+        tol = 64 * 2**-24 * (x.abs().max() + math.log(V)) * max(w_lp.abs().max(), w_ent.abs().max()) * (h.abs().max() + wd.abs().max()) * H
         for rank, r in enumerate(results):
-            if r["grad_hidden"] is None:
-                problems.append(f"rank {rank}: no gradient reached the hidden states")
-            else:
-                problems += compare(r["grad_hidden"], hidden, GRAD_HIDDEN_TOL, f"rank {rank} hidden grad")[0]
-    return problems
-''', "frozen-input-work": '''
-def run(routine, rank, group):
-    """The call's matmul FLOPs, forward and backward (the harness's counter), with the input frozen
-    and with both trainable, each a call of its own."""
-    counts = []
-    for frozen in (CASE.frozen, "none"):
-        work = Work()
-        with work.counting():
-            call(routine, rank, group, frozen)
-        counts.append(work.total)
-    return {"work": counts}
+            for what, got, want, on in (("rows of the LM head", r["grad"], want_w[rank * V_LOCAL:(rank + 1) * V_LOCAL],
+                                         FROZEN != "weight"), ("hidden states", r["grad_hidden"], want_h, FROZEN != "hidden")):
+                if on and got is None:
+                    yield f"rank {{rank}}'s {{what}} receive no gradient where max |grad| {{want.abs().max():.3g}} is expected"
+                elif on and (found := off(got, want, tol + want.abs().max() * torch.finfo(got.dtype).eps))[0].any():
+                    rows = found[0].any(-1).nonzero().flatten().tolist()
+                    yield f"rank {{rank}}'s gradient of its {{what}} is wrong in row(s) {{rows}}: {{found[1]}}"''')
 
 
-def judge(results):
-    """With one input frozen (a LoRA run's LM head), the call, forward and backward, runs at least half
-    of one gradient product (2*T*V_local*H FLOPs) fewer matmul FLOPs than with both inputs trainable:
-    the frozen input's gradient is not computed."""
-    one_product = 2 * CASE.T * CASE.v_local * CASE.H
-    problems = []
-    for rank, r in enumerate(results):
-        frozen, both = r["work"]
-        if frozen is None or both is None or both < 3 * one_product:
-            continue
-        if both - frozen < one_product // 2:
-            problems.append(f"rank {rank}: {frozen:,} matmul FLOPs with the {CASE.frozen} frozen, {both:,} with both "
-                            f"inputs trainable: {both - frozen:,} fewer, where not computing the frozen "
-                            f"{CASE.frozen}'s gradient saves {one_product:,} (2*T*V_local*H; at least half required)")
-    return problems
-'''}
+FLOPS_RUN = '''
+def run(fn, rank, group):
+    """The matmul FLOPs of the call and its backward (torch's FlopCounterMode), with the FROZEN input
+    frozen and with both trainable, each a call of its own."""
+    hidden, weight, tokens, w_lp, w_ent = inputs()
+    flops = []
+    for frozen in (FROZEN, "none"):
+        h = hidden.clone().requires_grad_(frozen != "hidden")
+        shard = weight[rank * V_LOCAL:(rank + 1) * V_LOCAL].clone().requires_grad_(frozen != "weight")
+        with FlopCounterMode(display=False) as counter:
+            log_prob, entropy = CALL
+            (w_lp * log_prob.reshape(-1)).sum().backward()
+        flops.append(counter.get_total_flops())
+    return {"flops": flops}'''
+
+FLOPS = code('''
+    def judge(results):
+        """Not computing the frozen input's gradient saves one product of 2*T*V_LOCAL*H FLOPs (half required)."""
+        product = 2 * T * V_LOCAL * H
+        return [f"rank {rank}: {r['flops'][0]:,} matmul FLOPs with the {FROZEN} frozen, {r['flops'][1]:,} with both "
+                f"trainable: the frozen {FROZEN}'s gradient ({product:,} FLOPs) is computed and dropped"
+                for rank, r in enumerate(results) if r["flops"][1] - r["flops"][0] < product // 2]''')
 
 
 def refuse(case: Any) -> str | None:
     if case.hidden_view != "contiguous":
         return "scripts hand over contiguous hidden states (hidden_view=contiguous)"
+    if case.regime not in ("normal", "wide"):
+        return "scripts draw normal or wide logits"
     return None
 
 
 LINEAR_SCRIPT = LevelScript(
-    checks=("values", "gradients", "finite", "crash", "empty-input", "frozen-input-work", "memory-logits-dtype"),
-    code=LINEAR_CODE,
-    judges=LINEAR_JUDGES,
-    uses={"inputs": LinearCase.inputs, "linear_log_probs": reference.linear_log_probs,
-          "linear_entropy": reference.linear_entropy, "linear_grads": reference.linear_grads, "Work": Work},
-    bounds={"LOG_PROB_TOL": "log_prob_tol", "ENTROPY_TOL": "entropy_tol", "GRAD_TOL": "grad_tol",
-            "GRAD_HIDDEN_TOL": "grad_hidden_tol"},
+    checks=("values", "gradients", "crash", "empty-input", "frozen-input-work", "memory-logits-dtype"),
+    write=write,
     refuse=refuse,
     alone=("gradients",),
+    exempt=lambda case: (case.H,),
 )

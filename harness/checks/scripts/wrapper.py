@@ -1,123 +1,135 @@
 """The wrapper level's stand-alone scripts (`WRAPPER_SCRIPT`): one rank's shard of a packed batch's
 logits handed to slime's `get_log_probs_and_entropy` with an `args` namespace, each sample's tokens
-and top-p replay, judged per sample against `reference/wrapper.py`'s float64 answer.
+(and a recorded nucleus), judged per sample against the float64 log-softmax of its response rows.
 
-Named for its level, as `checks/wrapper.py` judges it and `reference/wrapper.py` is its oracle: a
-level keeps one module name across the layers.
+Named for its level, as `checks/wrapper.py` judges it and `reference/wrapper.py` is its oracle.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from harness.cases.case import WrapperCase
-from harness.checks.scripts import LevelScript
-from harness.reference import wrapper as reference
+from harness.checks.scripts import ALLOCATED, ANY, FREED, LevelScript, Parts, code, dtype, regime, tallied
+from harness.checks.scripts.kernel import NONE
 
-WRAPPER_CODE = '''
-EXEMPT = ()
+VALUES = ("wrapper-extraction", "wrapper-entropy", "temperature", "top-p-replay")
 
 
-def weighted(values, weights):
-    """The loss's term of one output: sum over the samples of sum(w * value), for the values that carry
-    a gradient and have one weight each (a wrong count is the judge's to report)."""
-    terms = [(v.reshape(-1) * w.to(v.dtype)).sum() for v, w in zip(values or [], weights)
-             if torch.is_tensor(v) and v.requires_grad and v.numel() == w.numel()]
-    return sum(terms, 0.0)
+def write(case: Any, check: str, term: str, memory: bool) -> Parts:
+    coef = 0.0 if case.entropy_coef is None else case.entropy_coef
+    ent_in = case.with_entropy and coef != 0
+    backward = check in ("wrapper-gradients", "crash", "memory-logits-dtype") and sum(case.response_lengths) > 0
+    lossed = "sum((w * lp).sum() for w, lp in zip(w_lp, res['log_probs']))" + \
+        (" + sum((w * e).sum() for w, e in zip(w_ent, res['entropy']))" if ent_in else "")
+    body = "    _, res = CALL"
+    after = f"\n    ({lossed}).backward()" if backward else ""
+    if memory:
+        body, after = tallied("forward", body, True) + "\n    freed = " + FREED, \
+            "\n" + tallied("backward", after.lstrip("\n"), True)
+    out = '{"forward": freed, "backward": ' + ALLOCATED + "}" if memory else \
+        ('{"log_probs": res["log_probs"], "entropy": res.get("entropy"), "grad": shard.grad, '
+         '"flags": [e.requires_grad for e in res.get("entropy") or []]}')
+    nucleus = "\n    ids = [[torch.randperm(V, generator=g)[:int(torch.randint(1, V + 1, (1,), generator=g))].tolist() for _ in range(R)]\n" \
+              "           for R in RESPONSE_LENGTHS]  # each response row's recorded nucleus" if case.top_p != "none" else ""
+    inputs = f'''
+def inputs():
+    """The packed logits [T, V], each sample's tokens{", each response row's nucleus" if nucleus else ""} and the loss's weights, from SEED."""
+    g = torch.Generator().manual_seed(SEED)
+    logits = torch.randn(T, V, generator=g, dtype=torch.float64)
+    {regime(case)}
+    tokens = [torch.randint(0, V, (L,), generator=g) for L in TOTAL_LENGTHS]{nucleus}
+    w_lp, w_ent = [torch.randn(R, generator=g) for R in RESPONSE_LENGTHS], [torch.randn(R, generator=g) for R in RESPONSE_LENGTHS]
+    return logits.to({dtype(case)}), tokens, {"ids" if nucleus else "None"}, w_lp, w_ent
 
 
-def run(routine, rank, group):
-    """This rank's shard of the packed logits, [1, T, V_local] as the model returns them, with slime's
-    args, every sample's tokens and the recorded nucleus; one call, and the backward of the loss
-    over the response positions (the entropy's term wherever the entropy carries a gradient)."""
-    x = inputs(CASE)
-    logits = x.logits[:, rank * CASE.v_local:(rank + 1) * CASE.v_local].clone().requires_grad_(True)
-    with phase("forward"):
-        _, res = routine(logits.unsqueeze(0), args=case_args(CASE), unconcat_tokens=x.unconcat_tokens,
-                         total_lengths=list(CASE.total_lengths), response_lengths=list(CASE.response_lengths),
-                         with_entropy=CASE.with_entropy, top_p_token_ids=x.top_p_token_ids,
-                         top_p_token_offsets=x.top_p_token_offsets)
-    log_probs, ent = res.get("log_probs"), res.get("entropy")
-    loss = weighted(log_probs, x.w_log_probs) + weighted(ent, x.w_entropy)
-    with phase("backward"):
-        if torch.is_tensor(loss):
-            loss.backward()
-    return {"log_probs": None if log_probs is None else [detached(t) for t in log_probs],
-            "entropy": None if ent is None else [detached(t) for t in ent], "grad": logits.grad,
-            "entropy_requires_grad": [t.requires_grad for t in ent or [] if torch.is_tensor(t)]}
+{reference(case, check, term)}'''
+    run = f'''
+def run(fn, rank, group):
+    """Rank `rank`'s shard of the packed logits, [1, T, V_LOCAL] as the model returns them; the call{"; the backward" if backward else ""}."""
+    logits, tokens, ids, w_lp, w_ent = inputs()
+    shard = logits[:, rank * V_LOCAL:(rank + 1) * V_LOCAL].clone().requires_grad_()
+{body}{after}
+    return {out}'''
+    top_p = case.top_p != "none"
+    args = {"logits": ("shard.unsqueeze(0)", ANY), "args": ("argparse.Namespace(**ARGS)", ANY),
+            "unconcat_tokens": ("tokens", ANY), "total_lengths": ("list(TOTAL_LENGTHS)", ANY),
+            "response_lengths": ("list(RESPONSE_LENGTHS)", ANY), "with_entropy": (repr(case.with_entropy), case.with_entropy),
+            "top_p_token_ids": ("[sum(n, []) for n in ids]", ANY) if top_p else ("None", None),
+            "top_p_token_offsets": ("[[0, *torch.tensor([len(r) for r in n]).cumsum(0).tolist()] for n in ids]", ANY)
+            if top_p else ("None", None)}
+    args_ns = {k: v for k, v in vars(case.args()).items() if k != "allgather_cp" or v}
+    judge = {"wrapper-gradients": GRADIENTS, "entropy-coef-rule": RULE, "crash": NONE}.get(check, VALUES_JUDGE)
+    terms = {"wrapper-extraction": ["log-prob"], "wrapper-entropy": ["entropy"], "top-p-replay": ["log-prob"]}.get(
+        check, [term] if term else ["log-prob", "entropy"] if case.with_entropy else ["log-prob"])
+    judge = judge.replace("TERMS", repr(terms))
+    about = {"wrapper-gradients": "a wrong gradient of the response rows' loss", "entropy-coef-rule":
+             f"the entropy's autograd state breaks slime #2153's rule (entropy_coef={case.entropy_coef!r})",
+             "crash": "the call or its backward raises", "memory-logits-dtype": "a float32 copy of all the logits"}.get(
+        check, f"wrong per-sample {' and '.join(terms)}")
+    about += f" at TP {case.tp}" + (f", {case.dtype} logits" if case.dtype != "fp32" else "") + \
+        (f", temperature {case.temperature}" if case.temperature not in (None, 1.0) else "") + (", top-p replay" if top_p else "")
+    return Parts(inputs, run, judge, args, about, {"TOTAL_LENGTHS": tuple(case.total_lengths),
+                                                   "RESPONSE_LENGTHS": tuple(case.response_lengths), "ARGS": args_ns,
+                                                   "WITH_ENTROPY": case.with_entropy})
 
 
-def reference_outputs():
-    x = inputs(CASE)
-    return wrapper_outputs(x.logits, case_args(CASE), x.unconcat_tokens, list(CASE.total_lengths),
-                           list(CASE.response_lengths), CASE.with_entropy, x.top_p_token_ids, x.top_p_token_offsets)
+def reference(case: Any, check: str, term: str) -> str:
+    """`reference(x, tokens, ids)`: per sample, the float64 log-probs (and entropies, where the script
+    reads them) of its response rows, the logits at the temperature, the nucleus replayed for the log-probs."""
+    nucleus = case.top_p != "none"
+    entropy = check in ("wrapper-entropy", "temperature", "wrapper-gradients") and case.with_entropy and term != "log-prob"
+    temp = f" / {case.temperature!r}" if case.temperature not in (None, 1.0) else ""
+    lines = ["def reference(x, tokens, ids):  # per sample: its response rows' float64 values (row j predicts token j + 1)",
+             "    lps, ents, start = [], [], 0",
+             f"    for toks, L, R, nucleus in zip(tokens, TOTAL_LENGTHS, RESPONSE_LENGTHS, {'ids' if nucleus else '[None] * len(tokens)'}):",
+             f"        rows, targets = x[start + L - R - 1:start + L - 1]{temp}, toks[L - R:]"]
+    if nucleus:
+        lines += ["        keep = torch.zeros(R, V, dtype=torch.bool).index_put((torch.arange(R), targets), torch.tensor(True))",
+                  "        keep |= torch.stack([torch.zeros(V, dtype=torch.bool).index_fill(0, torch.tensor(n, dtype=torch.long), True) for n in nucleus])",
+                  "        lps.append(torch.log_softmax(rows.masked_fill(~keep, -math.inf), -1)[torch.arange(R), targets])"]
+    else:
+        lines.append("        lps.append(torch.log_softmax(rows, -1)[torch.arange(R), targets])")
+    if entropy:
+        lines.append("        ents.append(-(torch.softmax(rows, -1) * torch.log_softmax(rows, -1).nan_to_num(0, 0, 0)).sum(-1))")
+    return "\n".join(lines + ["        start += L", "    return lps, ents"])
 
 
-def per_sample(rank, got, want, bounds, key):
-    """One rank's per-sample values of one output: one float32 tensor of R_i values per sample, each
-    within its bounds."""
-    if got is None or len(got) != len(want):
-        return [f"rank {rank}: {0 if got is None else len(got)} {key} entries for {len(want)} samples"]
-    problems = []
-    for i, (g, w, b) in enumerate(zip(got, want, bounds)):
-        if torch.is_tensor(g) and g.dtype != torch.float32:
-            problems.append(f"rank {rank}: {key}[{i}] dtype {g.dtype}, expected float32")
-        problems += compare(g, w, b, f"rank {rank} sample {i} {key}")[0]
-    return problems
-'''
+VALUES_JUDGE = code('''
+    def judge(results):
+        """Each rank's per-sample response values against the float64 ones of the same rows."""
+        logits, tokens, ids, _, _ = inputs()
+        x = logits.double()
+        want = dict(zip(("log-prob", "entropy"), reference(x, tokens, ids)))
+        for rank, r in enumerate(results):
+            for term in TERMS:
+                got = r["log_probs" if term == "log-prob" else "entropy"]
+                for i, (g, w) in enumerate(zip(got, want[term])):
+                    if (found := off(g, w, 64 * 2**-24 * (x.abs().max() + math.log(V))))[0].any():
+                        yield (f"rank {rank}'s {term} of sample {i} is wrong at response row(s) "
+                               f"{found[0].nonzero().flatten().tolist()}: {found[1]}")''')
 
-# The checks that judge the per-sample values: the log-probs (wrapper-extraction), the entropy
-# (wrapper-entropy), both at a temperature or under top-p replay.
-VALUES = '''
-def judge(results):
-    """Each sample's response log-probs and entropies, as each rank returns them, against the float64
-    values of the same inputs: the logits divided by args.rollout_temperature, the targets shifted
-    (row j of a sample predicts its token j + 1), the recorded nucleus replayed for the log-probs only."""
-    want = reference_outputs()
-    problems = []
-    for rank, r in enumerate(results):
-        if CHECK != "wrapper-entropy" and TERM in ("", "log-prob"):
-            problems += per_sample(rank, r["log_probs"], want["log_probs"], LOG_PROB_TOL, "log_probs")
-        if CHECK != "wrapper-extraction" and TERM in ("", "entropy") and CASE.with_entropy:
-            problems += per_sample(rank, r["entropy"], want["entropy"], ENTROPY_TOL, "entropy")
-    return problems
-'''
+GRADIENTS = code('''
+    def judge(results):
+        """The gradient w.r.t. each rank's shard of the loss over the response rows (the entropy's
+        term in it exactly when entropy_coef != 0), against float64 autograd."""
+        logits, tokens, ids, w_lp, w_ent = inputs()
+        x = logits.double().requires_grad_()
+        lps, ents = reference(x, tokens, ids)
+        on = ARGS.get("entropy_coef", 0.0) != 0 and WITH_ENTROPY
+        want = torch.autograd.grad(sum((w * lp).sum() for w, lp in zip(w_lp, lps)) + on * sum((w * e).sum() for w, e in zip(w_ent, ents)), x)[0]
+        tol = 64 * 2**-24 * (x.abs().max() + math.log(V)) * max(max(w.abs().max() for w in w_lp), 1.0)
+        for rank, r in enumerate(results):
+            shard = want[:, rank * V_LOCAL:(rank + 1) * V_LOCAL]
+            if (found := off(r["grad"], shard, tol))[0].any():
+                rows = found[0].any(-1).nonzero().flatten().tolist()
+                yield f"rank {rank}'s shard of the gradient is wrong in packed row(s) {rows}: {found[1]}"''')
 
-WRAPPER_JUDGES = {check: VALUES for check in ("wrapper-extraction", "wrapper-entropy", "temperature", "top-p-replay")}
-WRAPPER_JUDGES["wrapper-gradients"] = '''
-def judge(results):
-    """The gradient w.r.t. the raw logits, gathered from every rank's shard, against the float64
-    gradient of the loss over the response positions, the entropy's term included exactly when
-    entropy_coef != 0 (slime PR #2153)."""
-    if any(r["grad"] is None for r in results):
-        return ["no gradient reached the logits"]
-    x = inputs(CASE)
-    want = wrapper_logits_grad(x.logits, case_args(CASE), x.unconcat_tokens, list(CASE.total_lengths),
-                               list(CASE.response_lengths), CASE.with_entropy, x.w_log_probs, x.w_entropy,
-                               x.top_p_token_ids, x.top_p_token_offsets)
-    got = torch.cat([r["grad"] for r in results], dim=-1)
-    problems = compare(got, want, GRAD_TOL, "grad (all shards)")[0]
-    if problems and TP > 1:
-        problems.append(f"outside the bound in the shards of rank(s) {off_ranks(got, want, GRAD_TOL)}")
-    return problems
-
-
-def off_ranks(got, want, bound):
-    """The ranks whose vocab shard holds an entry outside its bound."""
-    b = bound.clamp_min(1e-300)
-    outside = ~torch.isclose(got.to(torch.float64) / b, want / b, rtol=0.0, atol=1.0)
-    return sorted({int(i) // CASE.v_local for i in outside.nonzero()[:, -1].tolist()})
-'''
-WRAPPER_JUDGES["entropy-coef-rule"] = '''
-def judge(results):
-    """slime PR #2153: the entropy is differentiable exactly when entropy_coef != 0 (absent and -0.0 are
-    zero; a negative coefficient is a coefficient), whoever calls the wrapper."""
-    want = entropy_grad_rule(CASE.with_entropy, case_args(CASE))
-    if any("error" in r for r in results):  # a caller that never sets entropy_coef is a caller too
-        return [f"rank {rank}: the wrapper raised with entropy_coef absent (absent means 0): {r['error']}"
-                for rank, r in enumerate(results) if "error" in r][:1] if CASE.entropy_coef is None else []
-    return [f"rank {rank}: entropy[{i}].requires_grad={flag} with entropy_coef={CASE.entropy_coef!r}; expected {want}"
-            for rank, r in enumerate(results) for i, flag in enumerate(r["entropy_requires_grad"]) if flag != want][:1]
-'''
+RULE = code('''
+    def judge(results):
+        """slime #2153: the entropy is differentiable exactly when entropy_coef != 0 (absent is 0)."""
+        want = WITH_ENTROPY and ARGS.get("entropy_coef", 0.0) != 0
+        return [f"rank {rank}'s entropy of sample {i} has requires_grad={flag} with entropy_coef="
+                f"{ARGS.get('entropy_coef', 'absent')}; {want} expected" for rank, r in enumerate(results)
+                for i, flag in enumerate(r["flags"]) if flag != want][:1]''')
 
 
 def refuse(case: Any) -> str | None:
@@ -125,17 +137,14 @@ def refuse(case: Any) -> str | None:
         return "scripts hand over contiguous logits and tokens (layout, token_layout at their defaults)"
     if case.cp > 1:
         return "scripts run one TP group without context parallelism (cp=1)"
+    if case.top_p == "partial":
+        return "scripts replay a full recorded nucleus (top_p=full)"
     return None
 
 
 WRAPPER_SCRIPT = LevelScript(
-    checks=("wrapper-extraction", "wrapper-entropy", "temperature", "top-p-replay", "wrapper-gradients",
-            "entropy-coef-rule", "crash", "memory-logits-dtype"),
-    code=WRAPPER_CODE,
-    judges=WRAPPER_JUDGES,
-    uses={"inputs": WrapperCase.inputs, "case_args": WrapperCase.args, "wrapper_outputs": reference.wrapper_outputs,
-          "wrapper_logits_grad": reference.wrapper_logits_grad, "entropy_grad_rule": reference.entropy_grad_rule},
-    bounds={"LOG_PROB_TOL": "log_prob_tol", "ENTROPY_TOL": "entropy_tol", "GRAD_TOL": "grad_tol"},
+    checks=VALUES + ("wrapper-gradients", "entropy-coef-rule", "crash", "memory-logits-dtype"),
+    write=write,
     refuse=refuse,
     alone=("wrapper-gradients",),
     raising=("entropy-coef-rule",),

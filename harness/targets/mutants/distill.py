@@ -77,8 +77,9 @@ class VocabGathered(FusedDistill):
 
 
 @mutant("distill-masked-shard-skips-sum", "a rank whose chunk has a row with no finite logit skips the sum's "
-        "all-reduce: its next collective meets the others' sum, whose size differs, and gloo aborts the process",
-        "crash", tp=TP_ONLY, levels=DISTILL)
+        "all-reduce: its next collective meets the others' sum, whose size differs, and gloo aborts the process "
+        "(or, with none after it, the others wait in theirs)",
+        ("crash", "hang", "collectives"), tp=TP_ONLY, levels=DISTILL)
 class MaskedShardSkipsSum(FusedDistill):
     def normalisers(self, zs, group):
         if any(bool((~torch.isfinite(z)).all(-1).any()) for z in zs):
@@ -153,3 +154,63 @@ class NoGradPathDiffers(FusedDistill):
     def distill_divergence(self, student_logits, tp_group, **kw):
         out = super().distill_divergence(student_logits, tp_group, **kw)
         return out if torch.is_grad_enabled() else out * (1.0 + 2.0 ** -23)
+
+
+# The far tail (the `fartail` regime: the teacher's top entries 50 to 110 below the student's others).
+@mutant("distill-student-log-eps", "the student's log-probs in the divergence as log(p + eps), eps 1e-10: floored "
+        "at -23", ("values",), "a routine that takes the log of a softmax with an epsilon against log(0)", levels=DISTILL)
+class StudentLogEps(FusedDistill):
+    def terms(self, ls, lt, kind, beta):
+        return super().terms((ls.exp() + 1e-10).log(), lt, kind, beta)
+
+
+@mutant("distill-gather-log-eps", "the gathered log-probs as log(p + eps), eps 1e-20: floored at -46", ("values",),
+        "a routine that takes the log of a softmax with an epsilon against log(0)", levels=DISTILL)
+class GatherLogEps(FusedDistill):
+    def gather_forward(self, ctx, logits, ids, group, temperature, chunk_size, renormalize):
+        out = super().gather_forward(ctx, logits, ids, group, temperature, chunk_size, renormalize)
+        return (out.exp() + 1e-20).log()
+
+
+@mutant("distill-logits-clamped", "the logits clamped at 30 below their shard's largest before the softmax",
+        ("values",), "a routine that clamps logits to keep exp and log finite", levels=DISTILL)
+class LogitsClamped(FusedDistill):
+    def scaled(self, rows, temperature):
+        z = super().scaled(rows, temperature)
+        top = z.amax(dim=-1, keepdim=True) if z.shape[-1] else z.new_zeros(z.shape[:-1] + (1,))
+        return torch.maximum(z, torch.where(torch.isfinite(top), top, torch.zeros_like(top)) - 30.0)
+
+
+# Defects of one combination of the contract (docs/distill.md: every combination is drawn, `distill_cover`).
+@mutant("distill-mixed-weights-swapped", "the mixed divergence's weights swapped: beta on the reverse KL",
+        ("values",), "a routine written from the docs: beta read as the reverse KL's weight", levels=DISTILL)
+class MixedWeightsSwapped(FusedDistill):
+    def _terms(self, ls, lt, kind, beta):
+        return super()._terms(ls, lt, kind, 1.0 - beta if kind == "mixed" else beta)
+
+
+@mutant("distill-given-temperature-ignored", "a teacher pass's top-k log-probs not divided by the temperature "
+        "before they are renormalized", ("values",), "a routine written from the docs: the temperature applied "
+        "to logits only", levels=DISTILL)
+class GivenTemperatureIgnored(FusedDistill):
+    def support_log_probs(self, zs, zt, teacher_log_probs, sup, start, group, temperature, renormalize):
+        return super().support_log_probs(zs, zt, teacher_log_probs, sup, start, group,
+                                         temperature if zt is not None else 1.0, renormalize)
+
+
+@mutant("distill-soft-ce-teacher-unnormalized", "the soft cross-entropy over a renormalized top-k support with "
+        "the teacher's log-probs of the whole vocabulary (or as given), not renormalized", ("values",),
+        "a routine written from the docs: only the student's side renormalized", levels=DISTILL)
+class SoftCeTeacherUnnormalized(FusedDistill):
+    soft_ce = False
+
+    def distill_divergence(self, student_logits, tp_group, **kw):
+        self.soft_ce = kw.get("kind") == "soft_ce"  # the call's kind, for the support step below
+        return super().distill_divergence(student_logits, tp_group, **kw)
+
+    def support_log_probs(self, zs, zt, teacher_log_probs, sup, start, group, temperature, renormalize):
+        ls, lt, lse = super().support_log_probs(zs, zt, teacher_log_probs, sup, start, group, temperature,
+                                                renormalize)
+        if renormalize and self.soft_ce:
+            lt = super().support_log_probs(zs, zt, teacher_log_probs, sup, start, group, temperature, False)[1]
+        return ls, lt, lse

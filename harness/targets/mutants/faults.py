@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import warnings
 
 import torch.distributed as dist
 
@@ -55,3 +56,25 @@ class RankSegfaults(_FaultInForward):
 class HostMemoryError(_FaultInForward):
     def fault(self) -> None:
         bytearray(1 << 62)  # no machine has it: malloc refuses at once, nothing is touched
+
+
+class RoutineDeprecation(FutureWarning):
+    """The warning of `warns-under-error-filters`, a category of its own so that the filter below
+    reaches no other routine of the process."""
+
+
+
+@mutant("warns-under-error-filters", "a deprecated call's FutureWarning on every call, under a configuration that "
+        "makes warnings errors (NeMo-RL's torch.distributed.nn.functional.all_reduce under torch 2.13)", ("warning",))
+class WarnsUnderErrorFilters(Fused):
+    def __init__(self) -> None:
+        # The user's warnings-as-errors configuration (`-W error`, pytest's `filterwarnings = error`),
+        # narrowed to this mutant's own warning, in force wherever the target is loaded (a filter set
+        # at the module's import would not reach a worker forked after a test's `catch_warnings`
+        # undid it).
+        super().__init__()
+        warnings.filterwarnings("error", category=RoutineDeprecation)
+
+    def forward(self, ctx, logits, *args):
+        warnings.warn("this collective is deprecated", RoutineDeprecation, stacklevel=1)
+        return super().forward(ctx, logits, *args)

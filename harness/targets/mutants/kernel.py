@@ -168,3 +168,19 @@ class WorldGroupReduce(Fused):
             return tensor
         dist.all_reduce(tensor, op=op)  # no group: every rank of the world, other DP replicas included
         return tensor
+
+
+# The far tail (the `fartail` regime): a log-prob of -50 to -110 is an ordinary float32 number, and an
+# importance ratio exp(log p - log p_old) needs it. These floor or clamp it there.
+@mutant("log-prob-eps-floor", "log(p + eps), eps 1e-20: the log-prob floored at -46", ("values",),
+        "a routine that takes the log of a probability with an epsilon against log(0)")
+class LogProbEpsFloor(Fused):
+    def log_prob(self, target_logit, lse):
+        return torch.log(torch.exp(super().log_prob(target_logit, lse)) + 1e-20)
+
+
+@mutant("log-prob-clamped", "the log-prob clamped at -30", ("values",),
+        "a routine that clamps log-probs (or logits) to keep a ratio or a loss finite")
+class LogProbClamped(Fused):
+    def log_prob(self, target_logit, lse):
+        return super().log_prob(target_logit, lse).clamp_min(-30.0)

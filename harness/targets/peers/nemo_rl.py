@@ -31,8 +31,8 @@ alone from a source tree on `PYTHONPATH` (`nemo_rl/__init__.py` needs no other p
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
-import warnings
 from typing import Callable
 
 import torch
@@ -66,10 +66,6 @@ HARNESS = Declaration(
                 "at least its longest sample: never empty"},
     ],
 )
-# NeMo-RL's log-softmax calls torch.distributed.nn.functional.all_reduce, which torch 2.13 deprecates
-# once per process: a notice about torch's API, not a finding, and not the check's output.
-warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_reduce is deprecated",
-                        category=FutureWarning)
 
 
 def _inference_only(logits: torch.Tensor) -> bool:
@@ -97,17 +93,29 @@ def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False
     # Imported from the user's NeMo-RL tree (docs/peers.md), not from an installed package.
     from nemo_rl.distributed import model_utils  # pyright: ignore[reportMissingImports]
 
+    return nemo_rl_kernel(model_utils, logits, tokens, tp_group, chunk_size)
+
+
+def nemo_rl_kernel(mu, logits, tokens, tp_group, chunk_size=-1):
+    """NeMo-RL's call of `mu`, its `nemo_rl/distributed/model_utils.py`, as its Megatron trainer makes
+    it: the logits as `[1, T, V_local]` (a view, so the caller's tensor is what NeMo-RL sees), this
+    rank's vocabulary range, `inference_only` set as its trainer sets it (True for the log-prob passes
+    that take no gradient). Needs only torch: `harness repro --script` embeds it."""
     v_local = logits.shape[1]
-    start = dist.get_rank(tp_group) * v_local
-    # [B, S, V_local] as NeMo-RL takes them: a view, so the caller's tensor is what NeMo-RL sees.
+    start = torch.distributed.get_rank(tp_group) * v_local
     x, target = logits.unsqueeze(0), tokens.reshape(1, -1).to(device=logits.device, dtype=torch.long)
-    if chunk_size > 0 and hasattr(model_utils, "ChunkedDistributedLogprob"):
-        out = model_utils.ChunkedDistributedLogprob.apply(x, target, start, start + v_local, chunk_size, tp_group,
-                                                          _inference_only(logits))
+    inference_only = not (torch.is_grad_enabled() and logits.requires_grad)
+    if chunk_size > 0 and hasattr(mu, "ChunkedDistributedLogprob"):
+        out = mu.ChunkedDistributedLogprob.apply(x, target, start, start + v_local, chunk_size, tp_group, inference_only)
     else:
-        out = model_utils.DistributedLogprob.apply(x, target, start, start + v_local, tp_group,
-                                                   _inference_only(logits))
+        out = mu.DistributedLogprob.apply(x, target, start, start + v_local, tp_group, inference_only)
     return out.reshape(-1), None
+
+
+# `harness repro --script`: NeMo-RL's module, imported from the tree on PYTHONPATH, and the call.
+HARNESS = dataclasses.replace(HARNESS, script={
+    "name": "NeMo-RL", "files": {"mu": "nemo_rl.distributed.model_utils"}, "kernel": nemo_rl_kernel,
+    "how": "git clone https://github.com/NVIDIA-NeMo/RL nemo-rl && export PYTHONPATH=$PWD/nemo-rl:$PYTHONPATH"})
 
 
 def _padded(length: int, cp: int) -> int:

@@ -15,24 +15,34 @@ mean. The contract's functions map onto that:
   per-row shift does not change.
 - `distill_gather`: the student's output of the same function (`zero_outside_topk` as
   `not renormalize`), with placeholder teacher values.
-- `distill_topk`: `distributed_vocab_topk` on `vocab_parallel_log_softmax`'s shard, so its values
-  are log-probs (NeMo-RL's trainer top-ks the raw logits: the same ids, the log-softmax being
-  increasing in each row, and values its loss renormalizes anyway).
+- `distill_topk`: `distributed_vocab_topk` on the logits as they come, in their dtype (bf16 in a bf16
+  run), with the case's `chunk_size` as its `chunk_size`, as the teacher's pass calls it
+  (`nemo_rl/models/megatron/train.py:722-733`: the model's `output_tensor`, `chunk_size` the
+  policy's `logprob_chunk_size`); its values are the top-k logits, which the adapter makes log-probs
+  by subtracting each row's log-normaliser, computed row chunk by row chunk in float32 (the
+  contract's `distill_topk` returns log-probs; NeMo-RL's loss renormalizes the values anyway). So the
+  distillation level's memory checks see NeMo-RL's own upcast of bf16 logits (whole before #2883,
+  `178110fa7`; one chunk at a time since).
 - `distill_log_softmax`: `vocab_parallel_log_softmax` (used by NeMo-RL's cross-tokenizer loss,
   `loss_functions.py:2302`).
 
 `get_distillation_topk_logprobs_from_logits` aligns next-token positions by dropping each row's last
 position (`[:, :-1]`): the adapter appends one placeholder row to the student's logits and to the
-teacher's top-k and hands back the first T rows. The per-token KL is `DistillationLossFn`'s, read
-before its reduction: `masked_mean` is NeMo-RL's reduction of it (a weighted sum the harness's loss
-makes itself), so `loss_functions.py` is loaded on its own (`_source`) with `nemo_rl.algorithms.utils`
-stubbed: `masked_mean` hands its values back as they are, `calculate_kl` (not called by this loss)
-raises. Past forms: a commit without `vocab_parallel_log_softmax` or
-`get_distillation_topk_logprobs_from_logits` defines no function over it. `nemo_rl.algorithms.utils` and `nemo_rl/algorithms/loss/__init__.py` import NeMo-RL's
-generation stack (vLLM, zmq), which this loss never calls; `interfaces.py` is loaded on its own too,
-and both see `BatchedDataDict` as `dict` (they only name it in annotations; its module imports the
-multimodal data stack at some commits). Before `nemo_rl/algorithms/loss/` existed the adapter is
-`untestable` (RoutineMissing).
+teacher's top-k and hands back the first T rows. The student's logits reach it in the case's dtype:
+its caller passes the model's logits (`nemo_rl/algorithms/loss/utils.py:123-135`, unchunked), and it
+upcasts them itself (`student_logits.to(torch.float32)`).
+
+Each routine is found by what it is (`_source.PeerSource.find`), compiled alone with the names it
+reads, the peer's own modules read file by file (NeMo-RL's package `__init__`s and
+`nemo_rl.algorithms.utils` import its generation stack, vLLM and zmq, which these never call):
+`distributed_vocab_topk`, `get_distillation_topk_logprobs_from_logits` and `vocab_parallel_log_softmax`
+in `nemo_rl/distributed/model_utils.py`; `DistillationLossFn` in `nemo_rl/algorithms/loss/loss_functions.py`
+(since #1920, `dc9dce44b`: it takes the support's log-probs) or, before,
+`nemo_rl/algorithms/loss_functions.py` (#1006, `17ea9abfb`: it takes the student's logits and gathers
+them itself). The per-token KL is `DistillationLossFn`'s, read before its reduction: `masked_mean` is
+NeMo-RL's reduction of it (a weighted sum the harness's loss makes itself), so the adapter provides
+it as a function that hands its values back (`provides`). A function whose routine a commit lacks is
+not defined; a commit with none of them (before #1006) is `untestable`, saying so.
 
 Its trainer's use: NeMo-RL's callers give this routine the model's raw bf16 or float32 logits, never
 `-inf` (`megatron/train.py:726`, `loss/utils.py:125`: the teacher's and the student's model outputs),
@@ -42,15 +52,14 @@ false in every shipped config (`distillation_math.yaml:19`). `HARNESS_USE` lists
 """
 from __future__ import annotations
 
-import types
+import inspect
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from harness.targets.declaration import Declaration, PeerInfo
-from harness.targets.peers import defines
-from harness.targets.peers._source import PeerSource, missing
+from harness.targets.peers._source import PeerSource, RoutineMissing
 
 HOW = ("git clone https://github.com/NVIDIA-NeMo/RL nemo-rl && export PYTHONPATH=$PWD/nemo-rl:$PYTHONPATH "
        "(torch alone runs its model_utils and its distillation loss on CPU)")
@@ -77,41 +86,30 @@ HARNESS = Declaration(
     ],
 )
 
-_LOSS_FILE = "nemo_rl/algorithms/loss/loss_functions.py"
-_MARKERS = ("nemo_rl/distributed",)
-
-
-def _raises(name: str):
-    def stub(*args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(f"nemo_rl.algorithms.utils.{name} is stubbed by the adapter: this loss never calls it")
-    return stub
-
 
 def _values(values: torch.Tensor, mask: Any = None, dim: Any = None, global_normalization_factor: Any = None):
     """Stands for nemo_rl.algorithms.utils.masked_mean: the per-token values before NeMo-RL's reduction."""
     return values
 
 
-# BatchedDataDict is only named in these files' annotations (`BatchedDataDict[...]`); the loss reads its
-# data as a mapping. Its module imports NeMo-RL's multimodal data stack (decord) at some commits.
-_DATA = {"nemo_rl.distributed.batched_data_dict": {"BatchedDataDict": dict}}
-INTERFACES = PeerSource("NeMo-RL-loss-interfaces", files=("nemo_rl/algorithms/loss/interfaces.py",), markers=_MARKERS,
-                        how=HOW, stubs=_DATA)
-_IF = INTERFACES.load()
-LOSSES = PeerSource("NeMo-RL-loss-functions", files=(_LOSS_FILE,), markers=_MARKERS, how=HOW, stubs={
-    **_DATA,
-    "nemo_rl.algorithms.loss.interfaces": dict(vars(_IF)) if _IF is not None else {},
-    "nemo_rl.algorithms.utils": {"masked_mean": _values, "calculate_kl": _raises("calculate_kl")},
-})
-_LF = LOSSES.load() if _IF is not None else None
-if _LF is not None:
-    missing(LOSSES, _LF, "DistillationLossFn", "DistillationLossConfig")
+SOURCE = PeerSource("NeMo-RL-distillation", markers=("nemo_rl/distributed",), how=HOW, provides={"masked_mean": _values},
+                    files=("nemo_rl/distributed/model_utils.py", "nemo_rl/algorithms/loss/loss_functions.py",
+                           "nemo_rl/algorithms/loss_functions.py"))
 
 
-def _mu() -> types.ModuleType:
-    import nemo_rl.distributed.model_utils as mu  # pyright: ignore[reportMissingImports]
+def _found(name: str) -> Any:
+    """`name` from the commit's tree, or None where it does not define it (or there is no tree)."""
+    return SOURCE.find(name) if SOURCE.defines(name) else None
 
-    return mu
+
+_TOPK, _GATHER = _found("distributed_vocab_topk"), _found("get_distillation_topk_logprobs_from_logits")
+_LOG_SOFTMAX, _LOSS = _found("vocab_parallel_log_softmax"), _found("DistillationLossFn")
+_CONFIG = _found("DistillationLossConfig")
+if SOURCE.defines("distributed_vocab_topk") is False and _LOSS is None:
+    raise RoutineMissing(f"NeMo-RL's tree `{SOURCE.roots()[0].name}` defines none of its distillation routines "
+                         "(distributed_vocab_topk, DistillationLossFn): a commit before its distillation (#1006)")
+# The loss's form: since #1920 it takes the support's log-probs; before, the student's logits.
+_FROM_LOGITS = _LOSS is not None and "next_token_logits" in inspect.signature(_LOSS.__call__).parameters
 
 
 def _group(tp_group: Any) -> tuple[Any, int, int]:
@@ -138,7 +136,7 @@ def _with_placeholder_row(student: torch.Tensor, values: torch.Tensor, ids: torc
 
 def _support_log_probs(student, values, ids, group, rank, zero_outside_topk, calculate_entropy):
     s, v, i = _with_placeholder_row(student, values, ids)
-    return _mu().get_distillation_topk_logprobs_from_logits(
+    return SOURCE.require(_GATHER)(
         student_logits=s, teacher_topk_logits=v, teacher_topk_indices=i, zero_outside_topk=zero_outside_topk,
         calculate_entropy=calculate_entropy, vocab_parallel_rank=rank, vocab_parallel_group=group)
 
@@ -146,18 +144,32 @@ def _support_log_probs(student, values, ids, group, rank, zero_outside_topk, cal
 def distill_log_softmax(logits, tp_group, temperature=1.0, chunk_size=-1):
     """`vocab_parallel_log_softmax`: this rank's shard of log_softmax(logits / temperature)."""
     group, _, _ = _group(tp_group)
-    return _mu().vocab_parallel_log_softmax(logits, temperature, tp_group=group)
+    return SOURCE.require(_LOG_SOFTMAX)(logits, temperature, tp_group=group)
 
 
 def distill_topk(logits, k, tp_group, temperature=1.0, chunk_size=-1):
-    """`distributed_vocab_topk` on the log-softmax shard: `(log_probs [T, k'], ids [T, k'])`."""
+    """`distributed_vocab_topk` on the logits in their dtype, chunked as the teacher's pass chunks it:
+    `(log_probs [T, k'], ids [T, k'])`, the values made log-probs by each row's log-normaliser."""
+    _no_temperature(temperature)
     group, rank, _ = _group(tp_group)
     v_local = logits.shape[-1]
-    log_probs = _mu().vocab_parallel_log_softmax(logits, temperature, tp_group=group)
-    values, ids = _mu().distributed_vocab_topk(log_probs.unsqueeze(0), k, group, vocab_start_index=rank * v_local,
-                                               vocab_end_index=(rank + 1) * v_local,
-                                               chunk_size=chunk_size if chunk_size > 0 else None)
-    return values[0], ids[0]
+    chunk = chunk_size if chunk_size > 0 else None
+    values, ids = SOURCE.require(_TOPK)(logits.unsqueeze(0), k, group, vocab_start_index=rank * v_local,
+                                        vocab_end_index=(rank + 1) * v_local, chunk_size=chunk)
+    return values[0].float() - _log_normaliser(logits, group, chunk or max(1, logits.shape[0])), ids[0]
+
+
+def _log_normaliser(logits: torch.Tensor, group: Any, chunk: int) -> torch.Tensor:
+    """Each row's log-sum-exp over the whole vocabulary, `[T, 1]`, one row chunk upcast at a time."""
+    out = []
+    for s0 in range(0, logits.shape[0], chunk):
+        x = logits[s0:s0 + chunk].detach().float()
+        top = x.max(dim=-1, keepdim=True).values
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        total = (x - top).exp().sum(dim=-1, keepdim=True)
+        dist.all_reduce(total, group=group)
+        out.append(top + total.log())
+    return torch.cat(out) if out else logits.new_zeros((0, 1), dtype=torch.float32)
 
 
 def distill_gather(logits, indices, tp_group, temperature=1.0, chunk_size=-1, renormalize=False):
@@ -178,24 +190,32 @@ def distill_divergence(student_logits, tp_group, *, teacher_logits=None, teacher
     _no_temperature(temperature)
     kl_type = {"forward_kl": "forward", "reverse_kl": "reverse", "mixed": "mixed"}[kind]
     group, rank, _ = _group(tp_group)
-    lf = LOSSES.require(_LF)
-    loss_fn = lf.DistillationLossFn(lf.DistillationLossConfig(kl_type=kl_type, mixed_kl_weight=beta,
-                                                              zero_outside_topk=not renormalize))
+    config = SOURCE.require(_CONFIG)(kl_type=kl_type, mixed_kl_weight=beta, zero_outside_topk=not renormalize)
+    loss_fn = SOURCE.require(_LOSS)(config)
+    rows = student_logits.shape[0] + 1
+    ones = torch.ones(1, rows, device=student_logits.device)
+    data = {"input_ids": torch.zeros(1, rows, dtype=torch.int64), "token_mask": ones, "sample_mask": ones[:, 0]}
+    if _FROM_LOGITS:  # #1006's form: the loss gathers the student's logits itself
+        s, t, i = _with_placeholder_row(student_logits, teacher_topk_log_probs, teacher_topk_indices)
+        per_token, _ = loss_fn(s, {**data, "teacher_topk_logits": t, "teacher_topk_indices": i},
+                               global_valid_seqs=torch.ones(()), global_valid_toks=torch.ones(()),
+                               vocab_parallel_rank=rank, vocab_parallel_group=group)
+        return per_token[0]
     # NeMo-RL's rule for the entropy (nemo_rl/algorithms/loss/utils.py:123).
     calculate_entropy = loss_fn.zero_outside_topk and loss_fn.kl_type != "forward"
     s, t, h = _support_log_probs(student_logits, teacher_topk_log_probs, teacher_topk_indices, group, rank,
                                  loss_fn.zero_outside_topk, calculate_entropy)
-    rows = student_logits.shape[0] + 1
-    ones = torch.ones(1, rows, device=student_logits.device)
-    data = {"input_ids": torch.zeros(1, rows, dtype=torch.int64), "token_mask": ones, "sample_mask": ones[:, 0]}
     per_token, _ = loss_fn(s, t, h, data, global_valid_seqs=torch.ones(()), global_valid_toks=torch.ones(()))
     return per_token[0]
 
 
-# Past forms: a commit before one of the routines defines no function over it (read from the tree's
-# source, without importing NeMo-RL), so the harness checks the others and says which it left out.
-_MODEL_UTILS = "nemo_rl.distributed.model_utils"
-if defines(_MODEL_UTILS, "vocab_parallel_log_softmax") is False:
-    del distill_log_softmax, distill_topk  # the top-k is taken on its log-softmax
-if defines(_MODEL_UTILS, "get_distillation_topk_logprobs_from_logits") is False:
-    del distill_gather, distill_divergence
+# A function whose routine this commit lacks is not defined: the harness checks the others and says which
+# it left out (the top-k before #1006; the log-softmax before #2745; the gather before #1920).
+if SOURCE.defines("distributed_vocab_topk") is False:
+    del distill_topk
+if SOURCE.defines("vocab_parallel_log_softmax") is False:
+    del distill_log_softmax
+if SOURCE.defines("get_distillation_topk_logprobs_from_logits") is False:
+    del distill_gather
+if SOURCE.defines("DistillationLossFn") is False:
+    del distill_divergence

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from harness.targets.declaration import Declaration, PeerInfo
-from harness.targets.peers._mpu import GPT_LOGITS_CONTIGUOUS, parallel_state_group
+from harness.targets.peers._mpu import FLOAT16_OUTPUT_FP32, GPT_LOGITS_CONTIGUOUS, parallel_state_group
 from harness.targets.peers._source import PeerSource, missing
 
 HOW = ("git clone https://github.com/NovaSky-AI/SkyRL && export PYTHONPATH=$PWD/SkyRL:$PYTHONPATH "
@@ -48,6 +48,10 @@ HARNESS = Declaration(
         {"where": {"regime": "neginf"},
          "why": "skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py:644-646, 696, 893-894: the log-probs and the entropy are computed from the model's logits "
                 "(divided by the temperature); nothing masks them to -inf"},
+        {"where": {"dtype": ["bf16", "fp16"]},
+         "why": "skyrl/backends/skyrl_train/workers/megatron/megatron_worker.py:622-623 builds the model with megatron-bridge's "
+                "`provider.provide_distributed_model(..., bf16=bf16)`, whose `get_model` wraps it in Float16Module when it runs "
+                f"in bf16 or fp16: {FLOAT16_OUTPUT_FP32}, so the logits reach the routine in float32"},
         {"where": {"layout": "transposed"},
          "why": f"skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py:696-697: the log-probs get the model's logits as they come, and the entropy a row slice of "
                 f"them (:893); {GPT_LOGITS_CONTIGUOUS}: never a transposed view"},

@@ -64,20 +64,14 @@ def skyrl_fused(mu, hidden, weight, tokens, tp_group, with_entropy=False, chunk_
     gradients that SkyRL's sequence-parallel gather does). `chunk_size <= 0`: one chunk of all rows.
     Needs only torch, megatron-core and `mu`, SkyRL's `model_utils.py`: `harness repro --script`
     embeds it."""
-    import torch.distributed as dist
     from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
-    v_local = weight.shape[0]
-    start = dist.get_rank(tp_group) * v_local
-    chunk = chunk_size if chunk_size > 0 else max(hidden.shape[0], 1)
-    h = hidden.unsqueeze(0)  # [1, T, H]: a view of the caller's hidden states, strided when they are
-    if tp_group.size() > 1 and h.requires_grad:
-        h = copy_to_tensor_model_parallel_region(h)  # SkyRL's caller's sum of the TP ranks' hidden gradients
-    target = tokens.reshape(1, -1).to(device=hidden.device, dtype=torch.long)
+    h, start = hidden.unsqueeze(0), torch.distributed.get_rank(tp_group) * weight.shape[0]  # h: a view of the caller's
+    h = copy_to_tensor_model_parallel_region(h) if tp_group.size() > 1 and h.requires_grad else h  # caller's TP sum
     inference_only = not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad))
-    log_prob = mu.FusedLinearChunkedDistributedLogprob.apply(h, weight, target, start, start + v_local, chunk,
-                                                             tp_group, inference_only)
-    return log_prob.reshape(-1), None
+    return mu.FusedLinearChunkedDistributedLogprob.apply(
+        h, weight, tokens.reshape(1, -1).long(), start, start + weight.shape[0],
+        chunk_size if chunk_size > 0 else max(hidden.shape[0], 1), tp_group, inference_only).reshape(-1), None
 
 
 # `harness repro --script`: the file the call needs from SkyRL's tree, and the call itself.

@@ -13,10 +13,12 @@ teachers; no temperature, which the worker undoes before (`:735`)). The top-k pa
 teacher un-rolled, as the worker hands it: the adapter puts a placeholder row before the teacher's
 rows and one after the student's, so `roll_shift=1` (MTP depth 0) aligns row t with row t.
 
-The file is loaded on its own (`_source`) with `skyrl.backends.skyrl_train.utils.torch_utils` stubbed:
-it imports jaxtyping and flash-attn, and its `masked_mean` is called only without a global
-normalisation factor; the adapter passes a factor of 1 (the one-hot mask's count), so the stub is
-never called (it raises if it is).
+The two functions are found by what they are (`_source.PeerSource.find`): `draft_soft_ce_topk` and
+`draft_soft_ce` in `skyrl/backends/skyrl_train/mtp/soft_ce.py`, each compiled alone with the names
+it reads. Nothing is stubbed: `masked_mean` comes from `skyrl/backends/skyrl_train/utils/torch_utils.py`,
+read as a file (its module's other imports, jaxtyping and flash-attn, are never reached), and is not
+called where a global normalisation factor is passed, as the adapter always does (a factor of 1,
+the one-hot mask's count).
 
 Its trainer's use: the teacher is always detached (`soft_ce.py:17-20` asserts it), so
 `HARNESS_CAPABILITIES` has no differentiable teacher; the logits are the models' raw outputs, never
@@ -25,24 +27,15 @@ Its trainer's use: the teacher is always detached (`soft_ce.py:17-20` asserts it
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from harness.targets.declaration import Declaration, PeerInfo
-from harness.targets.peers._source import PeerSource, missing
-
-
-def _never(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError("skyrl...torch_utils.masked_mean is stubbed by the adapter, which always passes "
-                              "a global normalisation factor")
-
+from harness.targets.peers._source import PeerSource
 
 HOW = ("git clone https://github.com/NovaSky-AI/SkyRL && export PYTHONPATH=$PWD/SkyRL:$PYTHONPATH "
        "(mtp/soft_ce.py needs torch only)")
 SOURCE = PeerSource("SkyRL-mtp", files=("skyrl/backends/skyrl_train/mtp/soft_ce.py",),
-                    markers=("skyrl/backends",), how=HOW,
-                    stubs={"skyrl.backends.skyrl_train.utils.torch_utils": {"masked_mean": _never}})
+                    markers=("skyrl/backends",), how=HOW)
 HARNESS = Declaration(
     capabilities={"distill_log_softmax": False, "distill_topk": False, "distill_gather": False,
                   "given_teacher": False, "forward_kl": False, "reverse_kl": False, "jsd": False,
@@ -57,9 +50,8 @@ HARNESS = Declaration(
     ],
 )
 
-_SC = SOURCE.load()  # None without SkyRL's tree on sys.path; RoutineMissing when this commit lacks the file
-if _SC is not None:
-    missing(SOURCE, _SC, "draft_soft_ce_topk", "draft_soft_ce")
+# None without SkyRL's tree on sys.path; RoutineMissing when this commit has no such function
+_TOPK, _FULL = SOURCE.find("draft_soft_ce_topk"), SOURCE.find("draft_soft_ce")
 
 
 def distill_divergence(student_logits, tp_group, *, teacher_logits=None, teacher_topk_log_probs=None,
@@ -69,7 +61,6 @@ def distill_divergence(student_logits, tp_group, *, teacher_logits=None, teacher
     if kind != "soft_ce" or teacher_logits is None or temperature != 1.0 or not renormalize:
         raise NotImplementedError("SkyRL's draft losses are soft cross-entropies from teacher logits, "
                                   "renormalized over a top-k, without temperature (HARNESS_CAPABILITIES)")
-    sc = SOURCE.require(_SC)
     rows, v_local = student_logits.shape
     one = torch.ones((), device=student_logits.device)
     if k > 0:  # the worker's un-rolled teacher and roll_shift = 1: a placeholder row on each side
@@ -82,10 +73,10 @@ def distill_divergence(student_logits, tp_group, *, teacher_logits=None, teacher
         mask = torch.zeros(student.shape[:2], device=student.device)
         mask[0, t] = 1.0
         if k > 0:
-            loss = sc.draft_soft_ce_topk(student, teacher, mask, k, global_normalization_factor=one,
+            loss = SOURCE.require(_TOPK)(student, teacher, mask, k, global_normalization_factor=one,
                                          vocab_parallel_group=tp_group, roll_shift=1)
         else:
-            loss = sc.draft_soft_ce(student, teacher, mask, global_normalization_factor=one,
+            loss = SOURCE.require(_FULL)(student, teacher, mask, global_normalization_factor=one,
                                     vocab_parallel_group=tp_group, chunk_size=chunk_size if chunk_size > 0 else None)
         per_token.append(loss)
     if not per_token:

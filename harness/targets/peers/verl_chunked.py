@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from harness.targets.declaration import Declaration, PeerInfo
 from harness.targets.peers.verl import FILES, HOW, checked
 from harness.targets.peers.verl import HARNESS as VERL
@@ -35,16 +33,13 @@ def verl_engine_chunked(tp, logits, tokens, with_entropy=False, chunk_size=-1):
     rows; `<= 0`: verl's default, 2048), the log-probs on `logits.clone()`. A tree from before verl
     #6446 has no chunked entropy, and its engine computed `vocab_parallel_entropy` whatever the flag
     said: so does this. Needs only torch and `tp`: `harness repro --script` embeds it."""
-    tokens = tokens.reshape(-1).to(device=logits.device, dtype=torch.long)
-    entropy, logits_bak = None, logits
-    if with_entropy:
-        logits_bak = logits.clone()
-        if hasattr(tp, "vocab_parallel_entropy_with_chunking"):
-            chunk = chunk_size if chunk_size > 0 else 2048
-            entropy = tp.vocab_parallel_entropy_with_chunking(logits.unsqueeze(0), chunk_size=chunk).squeeze(0)
-        else:
-            entropy = tp.vocab_parallel_entropy(logits)
-    return tp.vocab_parallel_log_probs_from_logits(logits_bak, tokens), entropy
+    entropy, logits_bak = None, logits.clone() if with_entropy else logits
+    if with_entropy and hasattr(tp, "vocab_parallel_entropy_with_chunking"):
+        chunk = chunk_size if chunk_size > 0 else 2048
+        entropy = tp.vocab_parallel_entropy_with_chunking(logits.unsqueeze(0), chunk_size=chunk).squeeze(0)
+    elif with_entropy:
+        entropy = tp.vocab_parallel_entropy(logits)
+    return tp.vocab_parallel_log_probs_from_logits(logits_bak, tokens.reshape(-1).long()), entropy
 
 
 # `harness repro --script`: the file the call needs from verl's tree, and the call itself.

@@ -17,11 +17,21 @@ The harness's rows put much of their tail below -10 (a planted top entry 8 above
 adapter runs the function with `log_prob_min_clamp=None`, which verl's config allows ("If None, no
 clamping is applied", `distillation.py:45-47`), and checks the KL itself.
 
-The file is loaded on its own (`_source`) with `verl.models.mcore.util` (its CP splitters, which
-import verl's device utilities) and `verl.workers.config` (two config classes named in annotations)
-stubbed: neither is reached by the autograd function. The TP group is `parallel_state`'s (the
-adapter checks it is the harness's); megatron-core provides `calculate_logits_max` (compiled:
-`"eager": False`, so the memory checks say "not applied") and `VocabUtility`.
+The autograd function is found by what it is (`_source.PeerSource.find`): the class
+`_VocabParallelKLDivergence` in `verl/trainer/distillation/megatron/losses.py`, compiled alone with
+the names it reads, so nothing of verl is stubbed: the file's other imports (`verl.workers.config`'s
+config classes, `verl.models.mcore.util`'s CP splitters) are never reached, and on the development
+branch (pull request #5041) its `vocab_parallel_softmax` / `vocab_parallel_log_softmax` come from
+`verl/trainer/distillation/megatron/utils.py`, read as a file, not through verl's package
+`__init__`s. Its forms: before `19e2c9d4d` ("Clamping") it takes no `log_prob_min_clamp` and
+returns the per-token KL alone; later it returns a tuple whose first entry is the KL. Before
+`b89f42439` ("Working top-k megatron loss") there is no such class: the commit is `untestable`. The
+TP group is `parallel_state`'s (the adapter checks it is the harness's); megatron-core provides
+`calculate_logits_max` and `VocabUtility`. `calculate_logits_max` is megatron-core's, compiled by
+its `jit_fuser` (torch.compile), not verl's: the adapter runs it eager (dynamo off around the call),
+since compiling each new shape cost over a second a case and what is checked is verl's arithmetic.
+Production runs it compiled, so the declaration keeps `"eager": False` and the memory checks say
+"not applied" (docs/peers.md).
 
 Its trainer's use: the student's logits are the model's raw output (`verl/workers/engine/megatron/
 transformer_impl.py`), never -inf; the teacher's log-probs come from its rollout engine's top-k
@@ -29,30 +39,25 @@ transformer_impl.py`), never -inf; the teacher's log-probs come from its rollout
 """
 from __future__ import annotations
 
-from typing import Any
+import inspect
+
+import torch
 
 from harness.targets.declaration import Declaration, PeerInfo
 from harness.targets.peers._mpu import parallel_state_group
-from harness.targets.peers._source import PeerSource, missing
-
-
-def _unused(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError("stubbed by the adapter: the autograd function never calls it")
-
+from harness.targets.peers._source import PeerSource
 
 HOW = ("git clone https://github.com/verl-project/verl && export PYTHONPATH=$PWD/verl:$PYTHONPATH "
        "(its Megatron distillation losses need torch and megatron-core only)")
 SOURCE = PeerSource("verl-distillation", files=("verl/trainer/distillation/megatron/losses.py",),
-                    markers=("verl/trainer",), how=HOW, stubs={
-                        "verl.models.mcore.util": {"preprocess_bshd_engine": _unused, "preprocess_thd_engine": _unused},
-                        "verl.workers.config": {"DistillationConfig": object, "DistillationLossConfig": object}})
+                    markers=("verl/trainer",), how=HOW)
 HARNESS = Declaration(
     capabilities={"distill_log_softmax": False, "distill_topk": False, "distill_gather": False,
                   "full_teacher": False, "topk_teacher": False, "reverse_kl": False, "jsd": False,
                   "mixed": False, "soft_ce": False, "renormalized": False, "temperature": False,
                   "teacher_grad": False, "eager": False},
-    # Each new shape compiles megatron-core's calculate_logits_max (`@jit_fuser`, torch.compile): a
-    # second or more a case on two cores, so `harness peers` checks it at the smoke profile.
+    # `harness peers` checks it at the smoke profile, set when the helper compiled each shape (85 s for a
+    # smoke check at TP 1, 2 on two cores; 11 s eager).
     peer=PeerInfo(requires=("megatron.core", "verl"), install=HOW, profile="smoke", upstream=(
         "verl.trainer.distillation.megatron.losses._VocabParallelKLDivergence",)),
     use=[
@@ -62,9 +67,8 @@ HARNESS = Declaration(
     ],
 )
 
-_LOSSES = SOURCE.load()  # None without verl's tree on sys.path; RoutineMissing when this commit lacks the file
-if _LOSSES is not None:
-    missing(SOURCE, _LOSSES, "_VocabParallelKLDivergence")
+# None without verl's tree on sys.path; RoutineMissing when this commit has no such class
+_KL = SOURCE.find("_VocabParallelKLDivergence")
 
 
 def distill_divergence(student_logits, tp_group, *, teacher_logits=None, teacher_topk_log_probs=None,
@@ -76,7 +80,10 @@ def distill_divergence(student_logits, tp_group, *, teacher_logits=None, teacher
         raise NotImplementedError("verl's Megatron top-k loss is the forward KL from a teacher pass's top-k log-probs, "
                                   "without renormalization or temperature (HARNESS_CAPABILITIES)")
     parallel_state_group(tp_group, "verl's _VocabParallelKLDivergence")
-    losses = SOURCE.require(_LOSSES)
-    per_token, *_ = losses._VocabParallelKLDivergence.apply(
-        student_logits.unsqueeze(0), teacher_topk_log_probs.unsqueeze(0), teacher_topk_indices.unsqueeze(0), None)
-    return per_token[0]
+    kl = SOURCE.require(_KL)
+    args = [student_logits.unsqueeze(0), teacher_topk_log_probs.unsqueeze(0), teacher_topk_indices.unsqueeze(0)]
+    if len(inspect.signature(kl.forward).parameters) > 4:  # ctx, the three tensors and, from 19e2c9d4d, the clamp
+        args.append(None)
+    with torch._dynamo.config.patch(disable=True):  # megatron-core's jit_fuser'd helper, run eager (docstring)
+        out = kl.apply(*args)
+    return (out[0] if isinstance(out, tuple) else out)[0]

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from harness.targets.declaration import Declaration, PeerInfo
 from harness.targets.peers._mpu import gather_vocab
 
@@ -51,13 +49,10 @@ def verl_linear(tf, hidden, weight, tokens, with_entropy=False, chunk_size=-1):
     `torch_functional.py`: `harness repro --script` embeds it."""
     import inspect
 
-    chunk = chunk_size if chunk_size > 0 else 512
     # verl's first forms (before its Triton backend) take no impl_backend: they are the torch path.
-    takes_backend = "impl_backend" in inspect.signature(tf.FusedLinearForPPO.__init__).parameters
-    fused = tf.FusedLinearForPPO(chunk_size=chunk, impl_backend="torch") if takes_backend \
-        else tf.FusedLinearForPPO(chunk_size=chunk)
-    tokens = tokens.reshape(1, -1).to(device=hidden.device, dtype=torch.long)
-    log_prob, entropy = fused(hidden.unsqueeze(0), weight, tokens)
+    torch_path = {"impl_backend": "torch"} if "impl_backend" in inspect.signature(tf.FusedLinearForPPO).parameters else {}
+    fused = tf.FusedLinearForPPO(chunk_size=chunk_size if chunk_size > 0 else 512, **torch_path)
+    log_prob, entropy = fused(hidden.unsqueeze(0), weight, tokens.reshape(1, -1).long())
     return log_prob[0], entropy[0] if with_entropy else None
 
 
