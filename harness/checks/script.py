@@ -228,7 +228,7 @@ def _call(fn: Any, lead: int, contract: Any, args: dict[str, tuple[str, Any]]) -
     return f"fn({', '.join(out)})"
 
 
-# The script's imports, each where its text uses it: the standard library's on one line, torch's on another.
+# The script's imports, each where its text uses it: the standard library's, then torch's, on one line.
 IMPORTS = {"argparse": "argparse", "datetime": "datetime", "functools": "functools", "importlib.import_module": "importlib",
            "importlib.util": "importlib.util", "math.": "math", "os.": "os", "sys.": "sys", "tempfile": "tempfile",
            "traceback": "traceback", "weakref": "weakref"}
@@ -238,9 +238,8 @@ FROM = {"TorchDispatchMode": "torch.utils._python_dispatch", "tree_leaves": "tor
 
 
 def _imports(text: str) -> str:
-    lines = ["import " + ", ".join(m for name, m in IMPORTS.items() if name in text),
-             "import " + ", ".join(m for name, m in TORCH.items() if name in text),
-             *(f"from {m} import {name}" for name, m in FROM.items() if name in text)]
+    modules = [m for table in (IMPORTS, TORCH) for name, m in table.items() if name in text]
+    lines = ["import " + ", ".join(modules), *(f"from {m} import {name}" for name, m in FROM.items() if name in text)]
     return "\n".join(lines)
 
 
@@ -293,6 +292,7 @@ def _runner(tp: int, megatron: bool, check: str, raising: bool) -> str:
     except Exception as e:  # the routine's failure is the finding's data
         result = {{"error": f"rank {{rank}}'s {{'backward' if 'backward' in (traceback.extract_tb(e.__traceback__)[1].line or '') else 'call'}} raised {{type(e).__name__}}: {{e}}"}}
     torch.save(result, f"{{out}}/{{rank}}.pt")
+    dist.destroy_process_group()  # gloo's threads joined now: left to the interpreter's exit, one may abort it
 
 
 def main():
