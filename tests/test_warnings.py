@@ -70,3 +70,23 @@ def test_the_filters_decide_as_the_warnings_module_does():
     assert warnings_seen.action(filters, FutureWarning, "deprecated call", "m", 1) == "error"
     assert warnings_seen.action(filters, FutureWarning, "other", "quiet.mod", 1) == "ignore"
     assert warnings_seen.action(filters, UserWarning, "deprecated call", "m", 1) == warnings.defaultaction
+
+
+def test_a_filter_a_library_wrote_as_plain_strings_matches_as_the_warnings_module_does():
+    """`warnings.filters` may hold a message or module as a plain string (put there by hand, not
+    through filterwarnings): the warnings module compares it for equality, and so does the sorting."""
+    filters = [("ignore", "deprecated call", FutureWarning, "some.module", 0), ("error", None, Warning, None, 0)]
+    assert warnings_seen.action(filters, FutureWarning, "deprecated call", "some.module", 3) == "ignore"
+    assert warnings_seen.action(filters, FutureWarning, "deprecated call!", "some.module", 3) == "error"
+    assert warnings_seen.action(filters, FutureWarning, "deprecated call", "other", 3) == "error"
+
+
+def test_the_interpreters_own_default_filters_pass_a_routine_deprecation_through(tmp_path):
+    """Python's default filters hold `default::DeprecationWarning:__main__` with its module as a plain
+    string: a routine's DeprecationWarning reaches it, and is no finding (and no exception)."""
+    with warnings.catch_warnings():
+        warnings.filters[:] = [("default", None, DeprecationWarning, "__main__", 0),
+                               ("ignore", None, DeprecationWarning, None, 0)]
+        with sorted_warnings() as kept:
+            _warn_from(tmp_path / "routine.py", DeprecationWarning)
+    assert kept == []

@@ -20,7 +20,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -61,12 +61,20 @@ def caller(frames: list[tuple[str, int]]) -> tuple[str, int] | None:
     return next(((f, n) for f, n in frames if not _library(f) and not f.startswith("<")), None)
 
 
+def _matches(pattern: Any, text: str) -> bool:
+    """As the warnings module matches a filter's message or module: None matches anything, a plain
+    string only itself (a filter a library put into `warnings.filters` by hand), a regex by `match`."""
+    if pattern is None:
+        return True
+    return pattern == text if isinstance(pattern, str) else bool(pattern.match(text))
+
+
 def action(filters: list, category: type[Warning], message: str, module: str, lineno: int) -> str:
     """What `filters` (a snapshot of `warnings.filters`) do with this warning, as the warnings
     module decides it: the first filter that matches, else the default action."""
     for act, msg, cat, mod, line in filters:
-        if (msg is None or msg.match(message)) and issubclass(category, cat) and \
-                (mod is None or mod.match(module)) and (line == 0 or line == lineno):
+        if _matches(msg, message) and issubclass(category, cat) and _matches(mod, module) and \
+                (line == 0 or line == lineno):
             return act
     return getattr(warnings, "defaultaction", "default")  # not in typeshed's stubs, always set at runtime
 
