@@ -58,12 +58,20 @@ def code(text: str) -> str:
     return textwrap.dedent(text).strip("\n")
 
 
-def tallied(name: str, body: str, memory: bool) -> str:
-    """`body` (lines at one indentation) run under the tally `name` when the script measures memory."""
-    if not memory:
-        return body
+def _under(name: str, body: str) -> str:
     indent = body[:len(body) - len(body.lstrip())]
     return f"{indent}with TALLY[{name!r}]:\n" + textwrap.indent(body, "    ")
+
+
+def metered(body: str, after: str, out: str, memory: bool) -> tuple[str, str, str]:
+    """A level's `run` pieces (its call's lines, its backward's lines, what it returns), as they are,
+    or, when the script measures memory, the call and the backward each under its tally, and what the
+    tallies keep: the forward's copies that did not outlive it (read right after it), and every
+    buffer of the backward."""
+    if not memory:
+        return body, after, out
+    return (_under("forward", body) + "\n    freed = " + FREED, "\n" + _under("backward", after.lstrip("\n")),
+            '{"forward": freed, "backward": [(op, s) for op, s, _ in TALLY["backward"].whole]}')
 
 
 def dtype(case: Any) -> str:
@@ -120,7 +128,4 @@ def judge(results):
             yield f"rank {rank}'s backward allocates a float32 buffer of {whole} (the gradient's dtype is {DTYPE}): {r['backward']}"
 ''')
 
-# What a memory script's `run` keeps of its tallies: the forward's copies that did not outlive the
-# forward (read right after it), and every buffer of the backward.
 FREED = '[(op, s) for op, s, ref in TALLY["forward"].whole if ref() is None]'
-ALLOCATED = '[(op, s) for op, s, _ in TALLY["backward"].whole]'

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.checks.scripts import ALLOCATED, ANY, FREED, LevelScript, Parts, code, dtype, regime, tallied
+from harness.checks.scripts import ANY, LevelScript, Parts, code, dtype, metered, regime
 
 # The float64 answers as script expressions of `x` (the float64 logits [T, V], or the keep-masked ones
 # `xm` for the log-prob) and `tokens`.
@@ -103,11 +103,7 @@ def write(case: Any, check: str, term: str, memory: bool) -> Parts:
     backward = check != "values" and case.has_backward
     body = "    log_prob, entropy = CALL"
     after = f"\n    ({loss(case, 'log_prob', 'entropy')}).backward()" if backward else ""
-    if memory:
-        body, after = tallied("forward", body, True) + "\n    freed = " + FREED, \
-            "\n" + tallied("backward", after.lstrip("\n"), True)
-    out = '{"forward": freed, "backward": ' + ALLOCATED + "}" if memory else \
-        '{"log_prob": log_prob, "entropy": entropy, "grad": shard.grad}'
+    body, after, out = metered(body, after, '{"log_prob": log_prob, "entropy": entropy, "grad": shard.grad}', memory)
     neginf = "\n    logits[torch.arange(T), tokens] = torch.randn(T, generator=g, dtype=torch.float64)  # finite targets" \
         if case.regime == "neginf" else ""
     keep = {"none": "None",

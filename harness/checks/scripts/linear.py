@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.checks.scripts import ALLOCATED, ANY, FREED, LevelScript, Parts, code, dtype, tallied
+from harness.checks.scripts import ANY, LevelScript, Parts, code, dtype, metered
 from harness.checks.scripts.kernel import EMPTY, ENTROPY, LOG_PROB, NONE, about, edges, judge_values, loss
 
 LOGITS = "hidden.double() @ weight.double().T"
@@ -18,11 +18,8 @@ def write(case: Any, check: str, term: str, memory: bool) -> Parts:
     backward = check != "values" and case.has_backward
     body = "    log_prob, entropy = CALL"
     after = f"\n    ({loss(case, 'log_prob', 'entropy')}).backward()" if backward else ""
-    if memory:
-        body, after = tallied("forward", body, True) + "\n    freed = " + FREED, \
-            "\n" + tallied("backward", after.lstrip("\n"), True)
-    out = '{"forward": freed, "backward": ' + ALLOCATED + "}" if memory else \
-        '{"log_prob": log_prob, "entropy": entropy, "grad": shard.grad, "grad_hidden": h.grad}'
+    out = '{"log_prob": log_prob, "entropy": entropy, "grad": shard.grad, "grad_hidden": h.grad}'
+    body, after, out = metered(body, after, out, memory)
     scale = {"wide": 8.0}.get(case.regime, 2.0)
     inputs = f'''
 def inputs():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.checks.scripts import ALLOCATED, ANY, FREED, LevelScript, Parts, code, dtype, regime, tallied
+from harness.checks.scripts import ANY, LevelScript, Parts, code, dtype, metered, regime
 from harness.checks.scripts.kernel import NONE
 
 VALUES = ("wrapper-extraction", "wrapper-entropy", "temperature", "top-p-replay")
@@ -22,12 +22,9 @@ def write(case: Any, check: str, term: str, memory: bool) -> Parts:
         (" + sum((w * e).sum() for w, e in zip(w_ent, res['entropy']))" if ent_in else "")
     body = "    _, res = CALL"
     after = f"\n    ({lossed}).backward()" if backward else ""
-    if memory:
-        body, after = tallied("forward", body, True) + "\n    freed = " + FREED, \
-            "\n" + tallied("backward", after.lstrip("\n"), True)
-    out = '{"forward": freed, "backward": ' + ALLOCATED + "}" if memory else \
-        ('{"log_probs": res["log_probs"], "entropy": res.get("entropy"), "grad": shard.grad, '
-         '"flags": [e.requires_grad for e in res.get("entropy") or []]}')
+    out = ('{"log_probs": res["log_probs"], "entropy": res.get("entropy"), "grad": shard.grad, '
+           '"flags": [e.requires_grad for e in res.get("entropy") or []]}')
+    body, after, out = metered(body, after, out, memory)
     nucleus = "\n    ids = [[torch.randperm(V, generator=g)[:int(torch.randint(1, V + 1, (1,), generator=g))].tolist() for _ in range(R)]\n" \
               "           for R in RESPONSE_LENGTHS]  # each response row's recorded nucleus" if case.top_p != "none" else ""
     inputs = f'''
