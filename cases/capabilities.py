@@ -33,8 +33,10 @@ from harness.cases.case import (
 # wrapper_half_precision: the wrapper takes bf16 and fp16 logits (the contract's are float32, and slime's
 # wrapper asserts it), as NeMo-RL's packed log-probs do; declared, not assumed: without it, wrapper
 # cases run on float32 logits.
+# chunk_size: the wrapper takes a chunk size (`args.log_probs_chunk_size`) and is held to it
+# (`memory-logits-dtype`); a trainer's caller that has no such setting runs its cases unchunked.
 CAPABILITIES = ("entropy", "keep_mask", "metric_only_entropy", "top_p", "context_parallel", "allgather_cp",
-                "cp_gradient", "wrapper_half_precision")
+                "cp_gradient", "wrapper_half_precision", "chunk_size")
 OPT_IN = ("wrapper_half_precision",)  # capabilities a routine has only where it declares them
 # The distillation level (docs/distill.md): `distill_FUNCTION` (inferred False for a function the module
 # lacks); a divergence `kind` (`forward_kl`, ...); a teacher (`full_teacher`, `topk_teacher`,
@@ -65,6 +67,8 @@ def needs(case: Case) -> set[str]:
         out.add("cp_gradient")
     if case.half_precision_capability and getattr(case, "dtype", "fp32") != "fp32":
         out.add(case.half_precision_capability)
+    if case.chunk_capability and getattr(case, "chunk_size", -1) > 0:
+        out.add(case.chunk_capability)
     return out
 
 
@@ -115,6 +119,8 @@ def fit(case: Case, supports: Callable[[str], bool]) -> Case:
         case = case.replace(context="no_grad")
     if "wrapper_half_precision" in needs(case) and not supports("wrapper_half_precision"):
         case = case.replace(dtype="fp32")
+    if "chunk_size" in needs(case) and not supports("chunk_size"):
+        case = case.replace(chunk_size=-1)
     wants = needs(case)
     if getattr(case, "mask", "none") != "none" and "keep_mask" in wants and not supports("keep_mask"):
         case = case.replace(mask="none")

@@ -166,6 +166,10 @@ class CaseBase:
     # The capability a routine declares to take half-precision inputs beyond its contract's float32
     # ones (None: the contract's dtypes are the case's).
     half_precision_capability: ClassVar[str | None] = None
+    # The capability a chunk size that splits the rows asks for, at a level whose callers are
+    # configured with one (the wrapper's `args.log_probs_chunk_size`); None: the size is a knob any
+    # routine may ignore.
+    chunk_capability: ClassVar[str | None] = None
 
     if TYPE_CHECKING:
         @property
@@ -361,6 +365,8 @@ class WrapperCase(CaseBase):
     later_fields: ClassVar[frozenset[str]] = frozenset({"dtype"})
     # Half-precision logits are beyond the contract here: a routine takes them where it declares this.
     half_precision_capability: ClassVar[str | None] = "wrapper_half_precision"
+    # A caller without a chunk-size setting (`HARNESS_CAPABILITIES["chunk_size"]` False) runs unchunked.
+    chunk_capability: ClassVar[str | None] = "chunk_size"
 
     @property
     def T(self) -> int:

@@ -59,6 +59,10 @@ CORPUS: tuple[Regression, ...] = (
     Regression("wrapper-logits-float32", "NeMo-RL #2871/#2872: the caller cast the whole bf16 logits to float32 in "
                "front of the chunked kernel", "memory-logits-dtype",
                _w(v_local=64, chunk_size=2, entropy_coef=0.01, dtype="bf16")),
+    Regression("caller-chunk-size-dropped", "NeMo-RL: a policy's logprob_chunk_size that its loss-side caller does "
+               "not hand to the log-prob call: the call's memory is its unchunked call's", "memory-chunk-effect",
+               _w(v_local=64, total_lengths=(9, 7), response_lengths=(4, 3), chunk_size=4, dtype="bf16",
+                  with_entropy=False)),
     Regression("metric-only-memory", "slime #2144/#2153: a metric-only entropy must not pay for an entropy "
                "gradient's [T, V_local] buffers", "memory-metric-only",
                KernelCase(tp=2, T=8, v_local=64, dtype="bf16", mask="random", with_entropy_grad=False, seed=2144)),

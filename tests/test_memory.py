@@ -208,7 +208,7 @@ def _findings(runner: Runner, case) -> dict[str, str]:
 
 MUTANTS = ("metric-only-entropy-retained", "metric-only-graph-detached", "ctx-outlives-backward",
            "forward-buffers-kept", "chunk-size-ignored", "chunked-grad-buffer-float32", "wrapper-logits-float32",
-           "distill-logits-float32-before-chunks")
+           "distill-logits-float32-before-chunks", "caller-chunk-size-dropped")
 
 
 def test_memory_mutants_are_in_the_catalog():
@@ -265,6 +265,25 @@ def test_ignored_chunk_size_caught(harness_pools, tp):
     found = _findings(Runner("mutant:chunk-size-ignored", pools=harness_pools), case)
     assert "log_probs_chunk_size ignored" in found.get("memory-chunk-passthrough", ""), found
     assert not _findings(Runner("harness.targets.fused", pools=harness_pools), case)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_caller_s_dropped_chunk_size_caught_with_no_kernel_to_compare(harness_pools, tp):
+    """A wrapper-only target, as a trainer's loss-side caller is: its memory against its own unchunked
+    call's (`memory-chunk-effect`), and its float32 work held to chunks whether or not it is seen to
+    chunk (`memory-logits-dtype` at the wrapper, a level configured with a chunk size). The built-in
+    routine, which uses the size, passes both, in float32 and in bf16."""
+    case = WrapperCase(tp=tp, v_local=64, total_lengths=(9, 7), response_lengths=(4, 3), chunk_size=4,
+                       with_entropy=False, dtype="bf16", seed=2871)
+    dropped = Runner("mutant:caller-chunk-size-dropped", pools=harness_pools)
+    assert dropped.target.kernel is None
+    found = _findings(dropped, case)
+    assert "the configured chunk size did not reach the work on the logits" in found.get("memory-chunk-effect", ""), found
+    assert "its forward holds no chunk of 4 rows" in found.get("memory-logits-dtype", ""), found
+    assert "memory-chunk-effect" in _findings(dropped, case.replace(dtype="fp32"))
+    builtin = Runner("harness.targets.fused", pools=harness_pools)
+    assert not _findings(builtin, case) and not _findings(builtin, case.replace(dtype="fp32"))
 
 
 @pytest.mark.distributed
@@ -418,6 +437,8 @@ def test_correct_designs_get_no_memory_finding(harness_pools, spec):
     unused = ({"memory-budget"} if spec != "harness.targets.fused" else set()) \
         | (set() if linear else {"memory-linear-retained"})  # a level the target does not provide
     unused |= {n for n in MEMORY_CHECKS if all_checks()[n].levels == ("distill",)}  # a level this test does not draw
+    if not runner.target.supports("chunk_size"):  # its wrapper's cases run unchunked: nothing to hold it to
+        unused |= {"memory-chunk-effect", "memory-chunk-passthrough"}
     assert applied >= MEMORY_CHECKS - unused
 
 

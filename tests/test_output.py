@@ -80,6 +80,14 @@ def test_a_gradient_finding_names_the_wrong_term(harness_pools):
         _, findings = runner.check(case, only={check})
         (finding,) = runner.explain(findings)
         assert finding.message.startswith(words), finding.message
+    # A wrapper that keeps the entropy differentiable at entropy_coef 0 puts an entropy term in the
+    # harness's loss, which weighs every differentiable output: not a wrong log-prob gradient.
+    ignored = Runner("mutant:coef-ignored", pools=harness_pools)
+    case = WrapperCase(tp=1, v_local=4, total_lengths=(4, 3), response_lengths=(2, 2), entropy_coef=0.0)
+    _, findings = ignored.check(case, only={"wrapper-gradients"})
+    (finding,) = ignored.explain(findings)
+    assert finding.message.startswith("the entropy came back differentiable with entropy_coef 0 or absent"), \
+        finding.message
 
 
 def _quiet(argv: list[str]) -> None:

@@ -189,3 +189,31 @@ def test_nemo_rl_distill_before_and_at_its_distillation(tmp_path, monkeypatch) -
     monkeypatch.undo()
     first = _at(repo, "17ea9abfb", paths, tmp_path, monkeypatch, "nemo_rl_distill")  # #1006: the loss takes logits
     assert first._FROM_LOGITS and hasattr(first, "distill_divergence") and not hasattr(first, "distill_gather")
+
+
+def _repro_at(repo: Path, rev: str, paths: list[str], into: Path, target: str, case: str) -> subprocess.CompletedProcess:
+    """`harness repro` of one case against `rev`'s files, in a process of its own (as `history` runs it)."""
+    tree = into / rev
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(repo), "archive", rev, *paths], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(Path(__file__).resolve().parents[1])])}
+    return subprocess.run([sys.executable, "-m", "harness", "repro", "--target", target, case], env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+
+
+def test_nemo_rl_loss_finds_the_chunk_size_its_training_path_dropped_before_2872(tmp_path, monkeypatch) -> None:
+    """NeMo-RL #2871/#2872 on the caller, where it was: the training loss's `LossPostProcessor` handed
+    `prepare_loss_input` no chunk size until #2872. Before #1920 the loss function computed its own
+    log-probs: no caller to call, and the adapter says so."""
+    repo = _mirror("NEMO_RL_REPO")
+    paths = ["nemo_rl"]
+    with pytest.raises(RoutineMissing, match="before #1920"):
+        _at(repo, "84bede0e3", paths, tmp_path, monkeypatch, "nemo_rl_loss")
+    monkeypatch.undo()
+    case = "wrapper:tp=2,v_local=64,total_lengths=9/7,response_lengths=4/3,chunk_size=4,with_entropy=0,dtype=bf16,seed=2153"
+    before = _repro_at(repo, "d584a8963", paths, tmp_path, "harness.targets.peers.nemo_rl_loss", case)
+    assert before.returncode == 1 and "the configured chunk size did not reach the work on the logits" in before.stdout, \
+        before.stdout[-3000:] + before.stderr[-3000:]
+    fixed = _repro_at(repo, "f67e9e61d", paths, tmp_path, "harness.targets.peers.nemo_rl_loss", case)
+    assert fixed.returncode == 0, fixed.stdout[-3000:] + fixed.stderr[-3000:]

@@ -76,6 +76,12 @@ WITNESSES: dict[str, list[tuple[str, str]]] = {
                 ("kernel:tp=1,T=0,v_local=4,with_entropy=0,chunk_size=2", "empty-input")],
     "nemo_rl_unpacked": [("wrapper:tp=2,v_local=3,total_lengths=4/6,response_lengths=2/3,with_entropy=0,"
                           "layout=transposed", "crash")],
+    "nemo_rl_loss": [("wrapper:tp=2,v_local=3,total_lengths=4/6,response_lengths=2/3,with_entropy=0,"
+                      "layout=transposed", "crash")],
+    "verl_loss": [("wrapper:tp=1,v_local=4,total_lengths=3/4,response_lengths=2/2,entropy_coef=0,with_entropy=1,seed=1",
+                   "entropy-coef-rule"),
+                  ("wrapper:tp=2,v_local=64,total_lengths=9/7,response_lengths=4/3,chunk_size=4,with_entropy=0,seed=2",
+                   "memory-chunk-effect")],
     "ms_swift": [("kernel:tp=1,T=2,v_local=8,regime=neginf,seed=1", "finite"),
                  ("kernel:tp=2,T=3,v_local=4,loss_terms=entropy,seed=2", "gradients"),
                  ("kernel:tp=1,T=0,v_local=4", "empty-input"),
@@ -101,6 +107,8 @@ WITNESSES: dict[str, list[tuple[str, str]]] = {
 # Defects in the peer's own use: each case must give a new finding in use, of this family.
 IN_USE: dict[str, list[tuple[str, str]]] = {
     "verl_chunked": [("kernel:tp=1,T=5,v_local=8,chunk_size=2,seed=5", "crash")],
+    "verl_loss": [("wrapper:tp=1,v_local=4,total_lengths=1/1,response_lengths=0/0,entropy_coef=absent,"
+                   "temperature=absent,chunk_size=1,with_entropy=1,top_p=none,regime=normal,seed=0", "crash")],
     "ms_swift": [("kernel:tp=2,T=1,v_local=4,with_entropy=0,with_entropy_grad=0", "gradients [log-prob]")],
     "verl_fused_linear": [("linear:tp=1,T=1,H=8,v_local=4,with_entropy=0,with_entropy_grad=0,frozen=weight",
                            "frozen-input-work [frozen=weight]")],
@@ -127,6 +135,7 @@ def _runner(pools, name: str) -> Runner:
 
 # The families of the defects in a peer's own use (`IN_USE`), as any case of theirs may show them.
 IN_USE_FAMILIES = {"ms_swift": {"gradients [log-prob]", "tp-invariance [log-prob]"}, "verl_chunked": {"crash"},
+                   "verl_loss": {"crash"},
                    "verl_fused_linear": {"frozen-input-work [frozen=weight]"}}
 
 

@@ -153,13 +153,16 @@ def test_refusals_name_what_a_script_cannot_hand_over(tmp_path: Path) -> None:
 # A case per level, at TP 2 with bf16 chunks (a memory script's case) and in float32 (every other's).
 PEER_CASES = {
     "kernel": ("kernel:tp=2,T=8,v_local=16,dtype=bf16,chunk_size=2,seed=1",
-               "kernel:tp=2,T=6,v_local=5,mask=random,chunk_size=4,seed=1"),
+               "kernel:tp=2,T=6,v_local=5,mask=random,chunk_size=4,seed=1",
+               "kernel:tp=1,T=8,v_local=16,dtype=bf16,chunk_size=2,seed=1"),  # TP 1: a non-tensor-parallel peer's
     "wrapper": ("wrapper:tp=2,v_local=8,total_lengths=4/5,response_lengths=2/3,seed=1",),
     "linear": ("linear:tp=1,T=8,H=8,v_local=16,dtype=bf16,chunk_size=2,seed=1", "linear:tp=1,T=4,H=8,v_local=4,seed=1"),
     "distill": ("distill:tp=2,T=4,v_local=8,kind=jsd,temperature=0.9,seed=7",
                 "distill:tp=2,T=4,v_local=8,function=log_softmax,seed=1"),
 }
-PEERS_WITH_SCRIPTS = ("ms_swift", "ms_swift_gkd", "nemo_rl", "skyrl_fused_linear", "verl", "verl_chunked", "verl_fused_linear")
+PEERS_WITH_SCRIPTS = ("ms_swift", "ms_swift_gkd", "nemo_rl", "skyrl_fused_linear", "verl", "verl_chunked",
+                      "verl_fused_linear", "skyrl", "megatron", "megatron_fused", "trl", "prime_rl", "cce", "nemo_rl_distill",
+                      "skyrl_mtp")
 
 
 @pytest.mark.parametrize("peer", PEERS_WITH_SCRIPTS)
@@ -181,3 +184,32 @@ def test_a_peer_s_scripts_fit_in_an_issue(tmp_path: Path, peer: str) -> None:
                 written += 1
                 assert len(path.read_text().splitlines()) <= scripts.MAX_LINES, path.read_text()
     assert written
+
+
+def test_a_non_tensor_parallel_peer_s_scripts_run_at_tp_1(tmp_path: Path) -> None:
+    """TRL is not tensor-parallel: at TP > 1 the adapter gathers the shards, not TRL, so its scripts
+    are written at TP 1 only and a TP 2 finding is refused, saying why."""
+    target = load_target("harness.targets.peers.trl")
+    assert "not tensor-parallel" in (scripts.refusal(target, levels.parse("kernel:tp=2,T=4,v_local=4"), "values") or "")
+    assert scripts.refusal(target, levels.parse("kernel:tp=1,T=4,v_local=4"), "values") is None
+
+
+# Peers installed beside the harness (their scripts import them from site-packages, as a maintainer's
+# environment would): (peer, case, check, term, exit status, what the script says).
+INSTALLED_PEERS = {
+    "trl-neginf-entropy": ("trl", "kernel:tp=1,T=6,v_local=8,regime=neginf,with_entropy=1,seed=1", "finite", "entropy",
+                           1, "DEFECT (finite): rank 0's entropy is nan in row(s)"),
+    "megatron-clean": ("megatron", "kernel:tp=2,T=6,v_local=5,with_entropy=0,seed=1", "gradients", "", 0,
+                       "no defect (gradients)"),
+}
+
+
+@pytest.mark.parametrize("finding", INSTALLED_PEERS, ids=list(INSTALLED_PEERS))
+def test_an_installed_peer_s_script_runs_without_the_harness(tmp_path: Path, finding: str) -> None:
+    peer, spec, check, term, status, message = INSTALLED_PEERS[finding]
+    script = tmp_path / f"{peer}_repro.py"
+    scripts.write(load_target(f"harness.targets.peers.{peer}"), levels.parse(spec), check, term, script)
+    assert len(script.read_text().splitlines()) <= scripts.MAX_LINES
+    run = start_script(script, tmp_path)
+    out, err = run.communicate(timeout=300)
+    assert (run.returncode, message in out) == (status, True), out[-2000:] + err[-2000:]

@@ -23,6 +23,10 @@ from harness.meters import memory_meter
 from harness.reference.cp import local_rows
 
 MATRIX_COLUMN = "memory"  # the peers' matrix shows this module's checks as one column
+# The evidence of a level whose callers are configured with a chunk size (the wrapper's
+# `args.log_probs_chunk_size`): there the float32 work is held to chunks whatever the routine does,
+# since not chunking is the configuration ignored, not a design.
+CONFIGURED = "configured-chunks"
 
 
 @functools.lru_cache(maxsize=1024)
@@ -155,6 +159,45 @@ def chunk_passthrough(ev: Evidence) -> list[str]:
                     f"{_fmt(chunked[m])}, unchunked {_fmt(whole.get(m) or 0)}; allowed {_fmt(allowed)} less, "
                     f"{_fmt(above)} more (O(T) + the wrapper's allowance){like}. "
                     f"Excess: {_excess(got.get(f'{m}_tensors', []), chunked.get(f'{m}_tensors', []))}")
+    return problems
+
+
+def _chunking_spares(c: Any) -> int:
+    """Float32 bytes a call that honours its chunk size spares over the same call unchunked, at the
+    least: the rows beyond one chunk, which the unchunked call holds in float32 at once (the contract's
+    arithmetic is float32) and a chunked one never does."""
+    return (rows(c) - c.chunk_size) * c.v_local * 4 if 0 < c.chunk_size < rows(c) else 0
+
+
+@check("memory-chunk-effect", evidence=("samples", "memory", CONFIGURED),
+       applies=lambda c, t: c.T > 0 and _chunking_spares(c) > 2 * memory_meter.slack(c.T),
+       twin=lambda c: c.replace(chunk_size=-1), reads=("call-memory", "memory"), twin_in_same_process=True)
+def chunk_effect(ev: Evidence) -> list[str]:
+    """NeMo-RL #2871: a caller configured with a chunk size (`args.log_probs_chunk_size`) that splits
+    the rows uses it, whatever its kernel does and with no kernel to compare with. A caller is seen to
+    use it where its forward's peak holds a tensor of one chunk's rows of the logits, or where some
+    memory figure (retained, forward or backward peak) falls below the same call's without a chunk
+    size by more than O(T). A design that saves all its float32 work per chunk (slime's kernel saves
+    each chunk's softmax) chunks without lowering a figure; a caller that shows neither dropped the
+    configured size on its way to the work on the logits (a caller that never passes it down, a
+    kernel that ignores it)."""
+    c = ev.case
+    twin = ev.twins["memory-chunk-effect"]
+    allowed = memory_meter.slack(c.T)
+    problems = []
+    for r in range(len(ev.ranks)):
+        got, whole = _mem(ev, r), _mem(twin, r)
+        meters = [m for m in memory_meter.METERS if got.get(m) is not None and whole.get(m) is not None]
+        if not meters or _works_in_chunks(c, got.get("peak_forward_tensors", [])) or \
+                any(whole[m] - got[m] > allowed for m in meters):
+            continue
+        figures = ", ".join(f"{m} {_fmt(got[m])} (unchunked {_fmt(whole[m])})" for m in meters)
+        problems.append(f"{ev.ranks[r].name}: with chunk_size={c.chunk_size} of its {rows(c)} rows its forward holds no "
+                        f"chunk of rows and its memory is its unchunked call's within O(T) = {_fmt(allowed)}: {figures}; "
+                        "chunks would spare at least "
+                        f"{_fmt(_chunking_spares(c))} of float32 work on the rows beyond one chunk: the configured "
+                        f"chunk size did not reach the work on the logits. "
+                        f"Largest at its forward's peak: {_list(got.get('peak_forward_tensors', []))}")
     return problems
 
 
@@ -346,6 +389,8 @@ def linear_retained(ev: Evidence) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- the logits' own dtype
+# The ops of an upcast of a tensor as a whole (`.float()`, `.to(torch.float32)`), as the meter names them.
+_UPCASTS = ("_to_copy", "to", "copy_")
 _WIDE = ("float32", "float64")  # the dtypes of float32 work (float64 too), as the meter names them
 _ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}  # the float dtypes, by the meter's names
 # The float32 work a chunked backward may hold at once beyond what its forward retained, in chunks of
@@ -438,7 +483,11 @@ def logits_dtype(ev: Evidence) -> list[str]:
     allocated is at most 16 chunks of [chunk_size, V] per logits input (a teacher's too) plus O(T).
     What the forward retained, saved for backward or kept on ctx (a saved float32 softmax), is
     `memory-budget`'s to weigh, not this check's; so is a routine whose forward's peak holds no chunk
-    of rows (every row at once, by design). An output of the logits' own shape in float32 (the
+    of rows (every row at once, by design), except at a level whose callers are configured with the
+    chunk size (evidence `configured-chunks`, the wrapper's `args.log_probs_chunk_size`): there the
+    float32 work is held to chunks whatever the routine does, the forward's freed float32 work too
+    (16 chunks per logits input plus O(T)), so a caller that drops its chunk size, or upcasts the whole
+    logits in front of a chunked kernel, is seen. An output of the logits' own shape in float32 (the
     sharded log-softmax) has a whole float32 gradient from the caller's loss: OUTPUT_GRADIENTS such
     buffers each are the caller's."""
     c = ev.case
@@ -447,18 +496,37 @@ def logits_dtype(ev: Evidence) -> list[str]:
     chunks = WORK_CHUNKS * level_registry.of(c).memory.logits_inputs(c)
     work = chunks * chunk + memory_meter.slack(c.T)
     whole_name = f"all {n}x{c.v_local} = {n * c.v_local:,} logits entries of the rank ({c.dtype})"
+    configured = CONFIGURED in level_registry.of(c).evidence
     problems = []
     for r in range(len(ev.ranks)):
         m, name = _mem(ev, r), ev.ranks[r].name
-        if not _works_in_chunks(c, m.get("peak_forward_tensors", [])):
+        chunked = _works_in_chunks(c, m.get("peak_forward_tensors", []))
+        if not (chunked or configured):
             continue
+        # A caller that never chunks was configured to: its own path, or its kernel, dropped the size.
+        dropped = "" if chunked else (f"; its forward holds no chunk of {c.chunk_size} rows: the configured chunk size "
+                                      "did not reach the work on the logits")
         retained = m.get("retained_tensors", [])
-        forward = [t for t in _not_retained(m.get("peak_forward_tensors", []), retained, with_how=False)
-                   if t["how"] != "saved" and _whole(c, t)]
+        transient = [t for t in _not_retained(m.get("peak_forward_tensors", []), retained, with_how=False)
+                     if t["how"] != "saved"]
+        forward = [t for t in transient if _whole(c, t)]
+        spent = [t for t in transient if _wide(c, t)]
+        # What the forward keeps is the budget's, except at a caller configured to chunk: a float32
+        # copy of all its logits kept for the backward is the upcast chunking exists to avoid.
+        kept = [t for t in retained if configured and t["op"] in _UPCASTS and _whole(c, t)]
+        if kept:
+            problems.append(f"{name}: the forward keeps a float32 copy of {whole_name} for the backward, with "
+                            f"chunk_size={c.chunk_size}: {_list(kept)}{_in_logits_unit(c, kept[0]['bytes'])}; a caller "
+                            f"configured with a chunk size hands its kernel the logits in their dtype{dropped}")
         if m.get("peak_forward") is not None and forward:
             problems.append(f"{name}: the forward's peak ({_fmt(m['peak_forward'])}) holds a float32 copy of "
                             f"{whole_name}, freed before the forward returned, with chunk_size={c.chunk_size}: "
-                            f"{_list(forward)}{_in_logits_unit(c, forward[0]['bytes'])}")
+                            f"{_list(forward)}{_in_logits_unit(c, forward[0]['bytes'])}{dropped}")
+        elif configured and m.get("peak_forward") is not None and (held := sum(t["bytes"] for t in spent)) > work:
+            problems.append(f"{name}: the forward's peak holds {_fmt(held)} of float32 work freed before it returned, "
+                            f"{held / chunk:.1f} chunks of [{c.chunk_size}, {c.vocab}] float32"
+                            f"{_in_logits_unit(c, held)}; a caller configured with chunk_size={c.chunk_size} is "
+                            f"allowed {chunks} chunks + O(T) = {_fmt(work)}: {_list(spent)}{dropped}")
         if m.get("peak_backward") is None:
             continue
         allocated = [t for t in _not_retained(m.get("peak_backward_tensors", []), retained, with_how=True)
@@ -472,10 +540,10 @@ def logits_dtype(ev: Evidence) -> list[str]:
             problems.append(f"{name}: the backward's peak ({_fmt(m['peak_backward'])}) holds a float32 buffer of "
                             f"{whole_name} that the backward allocated, with chunk_size={c.chunk_size}: "
                             f"{_list(whole)}{_in_logits_unit(c, whole[0]['bytes'])}; the gradient belongs in the "
-                            f"logits' dtype")
+                            f"logits' dtype{dropped}")
         elif (held := sum(t["bytes"] for t in allocated)) > work:
             problems.append(f"{name}: the backward's peak holds {_fmt(held)} of float32 work it allocated, "
                             f"{held / chunk:.1f} chunks of [{c.chunk_size}, {c.vocab}] float32"
                             f"{_in_logits_unit(c, held)}; allowed {chunks} chunks + O(T) = {_fmt(work)}: "
-                            f"{_list(allocated)}")
+                            f"{_list(allocated)}{dropped}")
     return problems

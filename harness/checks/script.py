@@ -150,8 +150,10 @@ def refusal(target: Target, case: Case, check: str) -> str | None:
 
 def write(target: Target, case: Case, check: str, term: str, path: Path) -> list[Path]:
     """Write the script for `check` (about `term`, "" for every output) on `case` to `path`; the files
-    written. Raises ValueError with the reason when no script can be written (`refusal`)."""
-    case = script_case(case, check, term)
+    written. Raises ValueError with the reason when no script can be written (`refusal`). The case is
+    the one the run checked: fitted to what the target declares it takes, as the repro line of a
+    finding prints it, whether given that way or not."""
+    case = script_case(levels.fit(case, target.supports), check, term)
     why = refusal(target, case, check)
     if why:
         raise ValueError(why)

@@ -125,11 +125,24 @@ def kernel_terms(ev: Evidence, related: dict[str, Evidence], check: CheckFn) -> 
             f"and passes with {specs[good]}")
 
 
+def _entropy_came_back_differentiable(ev: Evidence) -> bool:
+    """Whether some rank's call returned an entropy that requires grad (per sample at the wrapper)."""
+    for r in ev.ranks:
+        meta = getattr(r.obs, "entropy_meta", None)
+        if any(m is not None and m.requires_grad for m in (meta if isinstance(meta, list) else [meta])):
+            return True
+    return False
+
+
 def wrapper_terms(ev: Evidence, related: dict[str, Evidence], check: CheckFn) -> str:
     """The verdict on each loss term of a failing wrapper gradient (the entropy term is in the loss
     exactly when entropy_coef != 0), from the evidence of the log-prob term alone (`each_term_alone`)."""
     c = ev.case
     if not c.expects_entropy_grad:
+        if _entropy_came_back_differentiable(ev):
+            return ("the entropy came back differentiable with entropy_coef 0 or absent (`entropy-coef-rule`), and "
+                    "the loss weighs every differentiable output: the gradient holds an entropy term that the "
+                    "expected gradient, of the log-prob term alone, does not")
         return "the log-prob term's gradient is wrong (the only term in this loss: entropy_coef is 0 or absent)"
     ok = _passes(related.get(LOG_PROB), check)
     if ok is None:

@@ -34,7 +34,7 @@ LEVEL = register(Level(
     # Its outputs are judged per sample by its own checks (evidence "samples": `harness.checks.wrapper`).
     script=WRAPPER_SCRIPT,
     evidence=frozenset({"call", "no-grad-call", "samples", "repeatable", "memory", "memory-allowance",
-                        "memory-logits"}),
+                        "memory-logits", "configured-chunks"}),
     counts=Counts(cases={"smoke": 5, "ci": 40, "thorough": 400}, dp={"ci": 6, "thorough": 80},
                   cp={"smoke": 2, "ci": 8, "thorough": 60}),
 ))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from harness.targets.declaration import Declaration
 from harness.targets.fused import FusedLogProbEntropy
 
 __all__ = [
@@ -96,6 +97,11 @@ class NaiveLogProbEntropy(FusedLogProbEntropy):
                     entropy = self.full_entropy(full.detach())
         return log_prob, entropy
 
+
+# The "before fusion" design computes every row at once: its wrapper takes no chunk size to be held
+# to (`memory-chunk-effect`), so its wrapper cases run unchunked; its kernel still gets every chunk
+# size, a knob the contract lets it ignore.
+HARNESS = Declaration(capabilities={"chunk_size": False})
 
 ROUTINE = NaiveLogProbEntropy()
 calculate_log_probs_and_entropy = ROUTINE.calculate_log_probs_and_entropy

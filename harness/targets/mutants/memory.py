@@ -68,7 +68,7 @@ class ForwardBuffersKept(Fused):
 
 
 @mutant("chunk-size-ignored", "wrapper ignores log_probs_chunk_size",
-        ("memory-chunk-passthrough", "chunk-size-honoured"),
+        ("memory-chunk-passthrough", "chunk-size-honoured", "memory-chunk-effect"),
         "NeMo-RL #2871/#2872 (the chunk size was ignored on the training path: 12.6 GiB OOM)")
 class ChunkSizeIgnored(Fused):
     def chunk_size(self, args):

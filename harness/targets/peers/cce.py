@@ -20,6 +20,8 @@ included, run at every profile.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from harness.targets.declaration import Declaration, PeerInfo
@@ -36,14 +38,25 @@ HARNESS = Declaration(
 )
 
 
+def cce_linear(cce, hidden, weight, tokens):
+    """Cut Cross-Entropy's call: `linear_cross_entropy` (of `cce`, `cut_cross_entropy`) of the hidden
+    states and the whole classifier, per token, its `torch_compile` implementation (the one that runs
+    on CPU); the log-prob is minus the loss. Needs only torch and `cce`: `harness repro --script` embeds it."""
+    tokens = tokens.reshape(-1).to(device=hidden.device, dtype=torch.long)
+    return -cce.linear_cross_entropy(hidden, weight, tokens, reduction="none", impl="torch_compile"), None
+
+
+# `harness repro --script`: the library, imported as installed, and the call (TP 1 only: Cut Cross-Entropy is
+# not tensor-parallel, and at TP > 1 the adapter, not the library, gathers the classifier's shards).
+HARNESS = dataclasses.replace(HARNESS, script={"name": "Cut Cross-Entropy", "files": {"cce": "cut_cross_entropy"},
+                                               "linear": cce_linear, "how": "pip install cut-cross-entropy"})
+
+
 def calculate_linear_log_probs_and_entropy(hidden, weight, tokens, tp_group, with_entropy=False, chunk_size=-1,
                                            with_entropy_grad=True):
     """Fused-linear level over Cut Cross-Entropy: `(log_prob [T] float32, None)`."""
-    from cut_cross_entropy import linear_cross_entropy
+    import cut_cross_entropy
 
     if with_entropy:
         raise NotImplementedError("Cut Cross-Entropy computes no entropy (HARNESS_CAPABILITIES['entropy'] is False)")
-    tokens = tokens.reshape(-1).to(device=hidden.device, dtype=torch.long)
-    loss = linear_cross_entropy(hidden, gather_vocab(weight, tp_group, dim=0), tokens, reduction="none",
-                                impl="torch_compile")
-    return -loss, None
+    return cce_linear(cut_cross_entropy, hidden, gather_vocab(weight, tp_group, dim=0), tokens)

@@ -16,7 +16,7 @@ caller's logits with the softmax): `input-integrity` fails for fp32 cases, every
 """
 from __future__ import annotations
 
-import torch
+import dataclasses
 
 from harness.targets.declaration import Declaration, PeerInfo
 from harness.targets.peers._mpu import parallel_state_group
@@ -42,10 +42,23 @@ HARNESS = Declaration(
 )
 
 
+def megatron_kernel(tp, logits, tokens):
+    """megatron-core's call as GPTModel's loss makes it: `vocab_parallel_cross_entropy` (of `tp`,
+    `megatron.core.tensor_parallel`) on the caller's logits, its group parallel_state's; the
+    log-prob is minus the loss. Needs only torch and megatron-core: `harness repro --script` embeds it."""
+    return -tp.vocab_parallel_cross_entropy(logits, tokens.reshape(-1).long()), None
+
+
+# `harness repro --script`: megatron-core's module, imported as installed, and the call.
+HARNESS = dataclasses.replace(HARNESS, script={
+    "name": "megatron-core", "files": {"tp": "megatron.core.tensor_parallel"}, "kernel": megatron_kernel, "megatron": True,
+    "how": "pip install megatron-core (the script imports it as installed)"})
+
+
 def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
                                     log_prob_keep_mask=None, with_entropy_grad=True):
     """Level 1 kernel over megatron-core: `(log_prob [T] float32, None)`."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    from megatron.core import tensor_parallel
 
     if with_entropy:
         raise NotImplementedError("megatron vocab_parallel_cross_entropy computes no entropy "
@@ -56,5 +69,4 @@ def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False
     if logits.dim() != 2:
         raise ValueError(f"logits must be [T, V_local], got {tuple(logits.shape)}")
     parallel_state_group(tp_group, "megatron's vocab_parallel_cross_entropy")
-    tokens = tokens.reshape(-1).to(device=logits.device, dtype=torch.long)
-    return -vocab_parallel_cross_entropy(logits, tokens), None
+    return megatron_kernel(tensor_parallel, logits, tokens.to(device=logits.device))

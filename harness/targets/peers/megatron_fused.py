@@ -17,7 +17,7 @@ cache, once warm) on every rank, and its Python is the unfused `megatron`'s, che
 """
 from __future__ import annotations
 
-import torch
+import dataclasses
 
 from harness.targets.declaration import Declaration, PeerInfo
 from harness.targets.peers import megatron as unfused
@@ -33,13 +33,26 @@ HARNESS = Declaration(
 )
 
 
+def megatron_fused_kernel(fce, logits, tokens, tp_group):
+    """megatron-core's call under `--cross-entropy-loss-fusion`: `fused_vocab_parallel_cross_entropy`
+    (of `fce`, `megatron.core.fusions.fused_cross_entropy`) on the caller's logits with the TP group
+    as its argument; the log-prob is minus the loss. Needs only torch and megatron-core (its pieces
+    compile with torch.compile, as in production): `harness repro --script` embeds it."""
+    return -fce.fused_vocab_parallel_cross_entropy(logits, tokens.reshape(-1).long(), tp_group), None
+
+
+# `harness repro --script`: megatron-core's module, imported as installed, and the call.
+HARNESS = dataclasses.replace(HARNESS, script={
+    "name": "megatron-core", "files": {"fce": "megatron.core.fusions.fused_cross_entropy"},
+    "kernel": megatron_fused_kernel, "how": "pip install megatron-core (the script imports it as installed)"})
+
+
 def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
                                     log_prob_keep_mask=None, with_entropy_grad=True):
     """Level 1 kernel over megatron-core's fused cross entropy: `(log_prob [T] float32, None)`."""
-    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+    from megatron.core.fusions import fused_cross_entropy
 
     if with_entropy or log_prob_keep_mask is not None:
         raise NotImplementedError("megatron's fused cross entropy computes no entropy and takes no keep mask "
                                   "(HARNESS_CAPABILITIES)")
-    tokens = tokens.reshape(-1).to(device=logits.device, dtype=torch.long)
-    return -fused_vocab_parallel_cross_entropy(logits, tokens, tp_group), None
+    return megatron_fused_kernel(fused_cross_entropy, logits, tokens.to(device=logits.device), tp_group)

@@ -52,6 +52,7 @@ false in every shipped config (`distillation_math.yaml:19`). `HARNESS_USE` lists
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
 
@@ -208,6 +209,21 @@ def distill_divergence(student_logits, tp_group, *, teacher_logits=None, teacher
     per_token, _ = loss_fn(s, t, h, data, global_valid_seqs=torch.ones(()), global_valid_toks=torch.ones(()))
     return per_token[0]
 
+
+def nemo_rl_log_softmax(mu, logits, tp_group, temperature=1.0):
+    """NeMo-RL's call of `mu`, its `nemo_rl/distributed/model_utils.py`, as its cross-tokenizer loss makes
+    it: `vocab_parallel_log_softmax(logits, temperature, tp_group=...)`, this rank's shard. Needs only
+    torch and `mu`: `harness repro --script` embeds it. Only the log-softmax: the distillation level's
+    scripts take a full teacher, and NeMo-RL's divergence takes a teacher pass's top-k only."""
+    return mu.vocab_parallel_log_softmax(logits, temperature, tp_group=tp_group)
+
+
+# `harness repro --script` (from #2745 on, where the tree has `vocab_parallel_log_softmax`): NeMo-RL's module,
+# imported from the tree on PYTHONPATH, and the call.
+if SOURCE.defines("vocab_parallel_log_softmax") is not False:
+    HARNESS = dataclasses.replace(HARNESS, script={
+        "name": "NeMo-RL", "files": {"mu": "nemo_rl.distributed.model_utils"}, "distill": nemo_rl_log_softmax,
+        "how": "git clone https://github.com/NVIDIA-NeMo/RL nemo-rl && export PYTHONPATH=$PWD/nemo-rl:$PYTHONPATH"})
 
 # A function whose routine this commit lacks is not defined: the harness checks the others and says which
 # it left out (the top-k before #1006; the log-softmax before #2745; the gather before #1920).

@@ -24,7 +24,7 @@ The file is loaded on its own (`_source`): `prime_rl`'s packages import its trai
 """
 from __future__ import annotations
 
-import inspect
+import dataclasses
 
 import torch
 
@@ -62,33 +62,32 @@ if _LM is not None:
     missing(SOURCE, _LM, "FusedOutputLinear")
 
 
-def _temperature(head: torch.nn.Module, like: torch.Tensor):
-    """1, as this commit's `forward` takes it: a float, or a per-token tensor [B, S]."""
-    annotation = str(inspect.signature(type(head).forward).parameters["temperature"].annotation)
-    return torch.ones(like.shape, dtype=torch.float32, device=like.device) if "Tensor" in annotation else 1.0
+def prime_rl_head(lm, hidden, weight, tokens, with_entropy=False, chunk_size=-1, with_entropy_grad=True):
+    """prime-rl's call of `lm`, its `lm_head.py`, as its trainer makes it: a `FusedOutputLinear` run
+    through `torch.func.functional_call` with the caller's head as its weight, the hidden states as
+    `[1, T, H]`, a temperature of 1 as the commit's `forward` takes it (a per-token tensor since
+    prime-rl #1624), `chunk_size <= 0` all rows at once; the entropy detached unless
+    `with_entropy_grad` (a metric in prime-rl). Needs only torch and `lm`: `harness repro --script`
+    embeds it. The module's own initialisation draws from a forked RNG (the caller's weight replaces it)."""
+    with torch.random.fork_rng(devices=[]):
+        head = lm.FusedOutputLinear(hidden.shape[1], weight.shape[0], chunk_size if chunk_size > 0 else max(len(hidden), 1))
+    labels = tokens.reshape(1, -1).to(device=hidden.device, dtype=torch.long)
+    per_token = "Tensor" in str(type(head).forward.__annotations__.get("temperature"))
+    kwargs = {"temperature": torch.ones(labels.shape, device=hidden.device) if per_token else 1.0}
+    head = head.to(device=hidden.device, dtype=weight.dtype)
+    out = torch.func.functional_call(head, {"weight": weight}, (hidden.unsqueeze(0), labels), kwargs)
+    log_prob, entropy = (out["logprobs"], out["entropy"]) if isinstance(out, dict) else (out.logprobs, out.entropy)
+    return log_prob.reshape(-1), (entropy if with_entropy_grad else entropy.detach()).reshape(-1) if with_entropy else None
 
 
-def _field(out, name: str):
-    return out[name] if isinstance(out, dict) else getattr(out, name)
+# `harness repro --script`: the file the call needs from prime-rl's tree, and the call itself (TP 1 only:
+# prime-rl is not tensor-parallel, and at TP > 1 the adapter, not prime-rl, gathers the head's shards).
+HARNESS = dataclasses.replace(HARNESS, script={"name": "prime-rl", "files": {"lm": SOURCE.files},
+                                               "linear": prime_rl_head, "how": HOW})
 
 
 def calculate_linear_log_probs_and_entropy(hidden, weight, tokens, tp_group, with_entropy=False, chunk_size=-1,
                                            with_entropy_grad=True):
     """Fused-linear level over prime-rl: `(log_prob [T] float32, entropy [T] float32 or None)`."""
-    lm = SOURCE.require(_LM)
-    full = gather_vocab(weight, tp_group, dim=0)
-    rows = hidden.shape[0]
-    # The module is built here per call, but in training once, with the model: its weight's random
-    # initialisation (replaced by the caller's weight below) is not the routine's draw from the
-    # trainer's RNG stream, so it draws from a forked one.
-    with torch.random.fork_rng(devices=[]):
-        head = lm.FusedOutputLinear(hidden.shape[1], full.shape[0], chunk_size if chunk_size > 0 else max(rows, 1))
-    head = head.to(device=hidden.device, dtype=full.dtype)
-    labels = tokens.reshape(1, -1).to(device=hidden.device, dtype=torch.long)
-    out = torch.func.functional_call(head, {"weight": full},
-                                     (hidden.unsqueeze(0), labels), {"temperature": _temperature(head, labels)})
-    log_prob, entropy = _field(out, "logprobs").reshape(-1), _field(out, "entropy")
-    if not with_entropy:
-        return log_prob, None
-    entropy = entropy.reshape(-1)
-    return log_prob, entropy if with_entropy_grad else entropy.detach()
+    return prime_rl_head(SOURCE.require(_LM), hidden, gather_vocab(weight, tp_group, dim=0), tokens, with_entropy,
+                         chunk_size, with_entropy_grad)

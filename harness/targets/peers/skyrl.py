@@ -22,6 +22,7 @@ Its path moved from `skyrl-train/skyrl_train/...` to `skyrl/backends/skyrl_train
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import torch
@@ -91,6 +92,27 @@ def _entropy(mu, logits: torch.Tensor, chunk_size: int) -> torch.Tensor:
     if takes_chunk and chunk_size > 0:
         return mu.vocab_parallel_entropy(logits, chunk_size=chunk_size)
     return mu.vocab_parallel_entropy(logits)
+
+
+def skyrl_kernel(mu, logits, tokens, tp_group, with_entropy=False, chunk_size=-1):
+    """SkyRL's call of `mu`, its `model_utils.py`, as its Megatron worker makes it: the logits as
+    `[1, T, V_local]` (a view: the log-probs and the entropy share the caller's tensor), this rank's
+    vocabulary range, `ChunkedDistributedLogprob` where the chunk splits the rows (the dispatch of
+    SkyRL #1650 on; before it any chunk size chunked), `inference_only` on the passes without a
+    gradient, and `vocab_parallel_entropy` (with the chunk size where it takes one, SkyRL #1890 on).
+    Needs only torch and `mu`: `harness repro --script` embeds it."""
+    x, t, start = logits.unsqueeze(0), tokens.reshape(1, -1).long(), torch.distributed.get_rank(tp_group) * logits.shape[1]
+    end, inference_only = start + logits.shape[1], not (torch.is_grad_enabled() and logits.requires_grad)
+    Fn, chunk = (mu.ChunkedDistributedLogprob, [chunk_size]) if 0 < chunk_size < len(logits) else (mu.DistributedLogprob, [])
+    log_prob = Fn.apply(x, t, start, end, *chunk, tp_group, inference_only).reshape(-1)
+    entropy = mu.vocab_parallel_entropy
+    chunk = {"chunk_size": chunk_size} if chunk_size > 0 and "chunk_size" in entropy.__code__.co_varnames else {}
+    return log_prob, entropy(x, **chunk).reshape(-1) if with_entropy else None
+
+
+# `harness repro --script`: the file the call needs from SkyRL's tree, and the call itself.
+HARNESS = dataclasses.replace(HARNESS, script={"name": "SkyRL", "files": {"mu": SOURCE.files}, "kernel": skyrl_kernel,
+                                               "megatron": True, "how": HOW})
 
 
 def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,

@@ -27,6 +27,8 @@ Its trainer's use: the teacher is always detached (`soft_ce.py:17-20` asserts it
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from harness.targets.declaration import Declaration, PeerInfo
@@ -82,3 +84,25 @@ def distill_divergence(student_logits, tp_group, *, teacher_logits=None, teacher
     if not per_token:
         return student_logits.float().sum(-1)
     return torch.stack(per_token)
+
+
+def skyrl_draft_soft_ce(sc, student_logits, tp_group, *, teacher_logits, chunk_size=-1):
+    """SkyRL's call of `draft_soft_ce` (of `sc`, its `mtp/soft_ce.py`) as its Megatron worker makes it
+    without `mtp_loss_topk`: the whole vocabulary's soft cross-entropy of the MTP head's logits from the
+    policy's detached ones, one labelled position per call (a one-hot mask, a normalisation factor of 1),
+    the T results stacked. Needs only torch and `sc`: `harness repro --script` embeds it. Only the full
+    teacher: the distillation level's scripts take no top-k one."""
+    if not len(student_logits):  # no position: an empty result that follows the logits' autograd state
+        return student_logits.float().sum(-1)
+    one, chunk = torch.ones((), device=student_logits.device), chunk_size if chunk_size > 0 else None
+    masks = torch.eye(len(student_logits), device=student_logits.device)[:, None]  # row t: position t alone
+    return torch.stack([sc.draft_soft_ce(student_logits[None], teacher_logits[None], mask, global_normalization_factor=one,
+                                         vocab_parallel_group=tp_group, chunk_size=chunk) for mask in masks])
+
+
+# `harness repro --script`: the file the call needs from SkyRL's tree, and the call itself. The file imports
+# `masked_mean` from SkyRL's package (`skyrl/backends/skyrl_train/utils/torch_utils.py`), whose `__init__`s import
+# SkyRL's own dependencies: the script runs where SkyRL is installed with them.
+HARNESS = dataclasses.replace(HARNESS, script={
+    "name": "SkyRL", "files": {"sc": SOURCE.files}, "distill": skyrl_draft_soft_ce,
+    "how": HOW.replace("(mtp/soft_ce.py needs torch only)", "(soft_ce.py imports SkyRL's package: install its dependencies)")})

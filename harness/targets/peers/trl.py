@@ -17,6 +17,8 @@ what a trainer must do to use TRL on TP-sharded logits, and the run costs the ga
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from harness.targets.declaration import Declaration, PeerInfo
@@ -42,6 +44,27 @@ HARNESS = Declaration(
 )
 
 
+def trl_kernel(tu, logits, tokens, with_entropy=False, with_entropy_grad=True):
+    """TRL's call of `tu`, its `trl.trainer.utils`, on full-vocab logits: `selective_log_softmax_and_entropy`
+    (the entropy under `no_grad` unless `with_entropy_grad`), or, at a commit without it, its two
+    pieces as its trainers called them. Needs only torch and `tu`: `harness repro --script` embeds it
+    (TRL is not tensor-parallel: its scripts run at TP 1, where no gather is needed)."""
+    tokens = tokens.reshape(-1).to(device=logits.device, dtype=torch.long)
+    if not with_entropy:
+        return tu.selective_log_softmax(logits, tokens), None
+    if hasattr(tu, "selective_log_softmax_and_entropy"):
+        return tu.selective_log_softmax_and_entropy(logits, tokens, entropy_requires_grad=with_entropy_grad)
+    log_prob = tu.selective_log_softmax(logits, tokens)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and with_entropy_grad):
+        return log_prob, tu.entropy_from_logits(logits)
+
+
+# `harness repro --script`: TRL's module, imported as installed, and the call (TP 1 only: at TP > 1 the
+# shards are gathered by the adapter, not by TRL, and the script writer runs a non-tensor-parallel routine at TP 1).
+HARNESS = dataclasses.replace(HARNESS, script={"name": "TRL", "files": {"tu": "trl.trainer.utils"},
+                                               "kernel": trl_kernel, "how": "pip install trl"})
+
+
 def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
                                     log_prob_keep_mask=None, with_entropy_grad=True):
     """Level 1 kernel over TRL: `(log_prob [T], entropy [T] or None)`, in the logits' dtype."""
@@ -49,12 +72,4 @@ def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False
 
     if log_prob_keep_mask is not None:
         raise NotImplementedError("TRL takes no keep mask (HARNESS_CAPABILITIES['keep_mask'] is False)")
-    full = gather_vocab(logits, tp_group)
-    tokens = tokens.reshape(-1).to(device=logits.device, dtype=torch.long)
-    if not with_entropy:
-        return utils.selective_log_softmax(full, tokens), None
-    if hasattr(utils, "selective_log_softmax_and_entropy"):
-        return utils.selective_log_softmax_and_entropy(full, tokens, entropy_requires_grad=with_entropy_grad)
-    log_prob = utils.selective_log_softmax(full, tokens)
-    with torch.set_grad_enabled(torch.is_grad_enabled() and with_entropy_grad):
-        return log_prob, utils.entropy_from_logits(full)
+    return trl_kernel(utils, gather_vocab(logits, tp_group), tokens, with_entropy, with_entropy_grad)
