@@ -117,6 +117,33 @@ def test_an_import_an_adapters_stub_lacks_names_the_stub(tmp_path, monkeypatch) 
         found.find("f")
 
 
+LAZY_INIT = '''
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .helpers import scale, OFFSET
+else:
+    _import_structure = {"helpers": ["scale", "OFFSET"]}
+    sys.modules[__name__] = _import_structure  # a lazy module, as transformers' _LazyModule
+'''
+
+
+def test_a_lazy_package_init_is_read_through_its_type_checking_imports(tmp_path, monkeypatch) -> None:
+    """A package `__init__` that binds its names lazily at run time (ms-swift's `swift/utils`): each
+    name is found by its import under `if TYPE_CHECKING:`, and the statement that binds
+    `_import_structure` while reading it is run once, not resolved against itself."""
+    tools = tmp_path / "acme" / "tools"
+    _tree(tmp_path)
+    tools.mkdir()
+    (tools / "__init__.py").write_text(LAZY_INIT)
+    (tools / "helpers.py").write_text(HELPERS)
+    (tmp_path / "acme" / "uses.py").write_text("from acme.tools import scale\n\n\ndef twice(x):\n    return 2 * scale(x)\n")
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    found = PeerSource("acme-lazy", files=("acme/uses.py",), markers=("acme",)).find("twice")
+    assert found(3.5) == 8  # 2 * (floor(3.5) + OFFSET), scale read from acme/tools/helpers.py
+
+
 def test_replays_run_eager(tmp_path) -> None:
     """Each commit's check runs with dynamo off: a trainer's torch.compile costs minutes per commit."""
     started: list[dict[str, str]] = []

@@ -176,6 +176,13 @@ def _bound(node: ast.stmt) -> set[str]:
     return names
 
 
+def _type_checking(node: ast.If) -> bool:
+    """`if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`): a branch that runs only under a type checker."""
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
 _TREES: dict[tuple[int, Path], _Tree] = {}
 
 
@@ -267,6 +274,14 @@ class _Module:
         for node in body:
             for name in _bound(node):
                 self.bindings[name] = node  # the last binding, as at the end of the module's run
+            if isinstance(node, ast.If) and _type_checking(node):
+                # A lazy package `__init__` (transformers' `_LazyModule`) binds its names at run time
+                # through `sys.modules`, in its `else`; its `if TYPE_CHECKING:` imports say where each
+                # lives. A name only that branch binds is found by its import there.
+                at_run_time = {n for inner in node.orelse for n in _bound(inner)}
+                for inner in node.body:
+                    for name in _bound(inner) - at_run_time:
+                        self.bindings[name] = inner
         self.ns = _Globals(self)
         self.shadow = types.ModuleType(self.name)  # what dataclasses and pickling find in sys.modules
         sys.modules[self.name] = self.shadow
@@ -314,8 +329,8 @@ class _Module:
         # what a definition reads when it runs (decorators, bases, a class body, defaults and, unless the
         # file defers them, annotations) is resolved first; function bodies resolve theirs when called.
         for name in _read_at_definition(node, lazy_annotations=bool(self.future)):
-            if name in self.bindings or name in self.tree.source.provides:
-                self.need(name)
+            if (name in self.bindings and self.bindings[name] is not node) or name in self.tree.source.provides:
+                self.need(name)  # a name the statement binds itself is its own, not a dependency
         code = compile(ast.Module(body=[*self.future, node], type_ignores=[]), str(self.path), "exec")
         exec(code, self.ns)  # noqa: S102 - the peer's own definition, compiled from its file
 

@@ -41,10 +41,9 @@ adapter's layout (its import refuses).
 
 What is provided, and why it is honest: `swift/megatron/utils/megatron_lm_utils.py` imports
 `split_cp_inputs` from mcore-bridge (not installed here), which only the CP slice calls (`provides`:
-one that raises, at CP 1 never reached); ms-swift's lazy package `__init__`s (`swift/utils/__init__.py`
-from `8ce285dbb` on: transformers' `_LazyModule` over an `_import_structure`) cannot be run statement
-by statement, so each is given (`stubs`) as a mapping that finds a name in the submodule file its
-`_import_structure` names, as the lazy module does. The TP group is `parallel_state`'s (the adapter
+one that raises, at CP 1 never reached). ms-swift's lazy package `__init__`s (`swift/utils/__init__.py`
+from `8ce285dbb` on: transformers' `_LazyModule`) are read as any package's: `PeerSource` finds each
+name by its import under `if TYPE_CHECKING:`, the submodule the lazy module would import. The TP group is `parallel_state`'s (the adapter
 checks it is the harness's).
 """
 from __future__ import annotations
@@ -73,49 +72,9 @@ def _no_cp_split(*args: Any, **kwargs: Any) -> Any:
                               "mcore-bridge's split_cp_inputs is not provided")
 
 
-class _LazyInit(dict):
-    """An ms-swift package whose `__init__` is a lazy module (`swift/utils/import_utils.py::_LazyModule`, as
-    `swift/utils/__init__.py` is from `8ce285dbb` on): a name is found in the file of the submodule its
-    `_import_structure` names, as the lazy module imports it. `PeerSource.find` reads a package's
-    `__init__` statement by statement and cannot run this one (its `else` branch binds the names
-    through `sys.modules`), so the adapter gives the package as this mapping (`stubs`)."""
-
-    def __init__(self, package: str, structure: dict[str, list[str]]):
-        super().__init__()
-        self.package, self.where = package, {n: sub for sub, names in structure.items() for n in names}
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.where
-
-    def __getitem__(self, name: str) -> Any:
-        sub = f"{self.package.replace('.', '/')}/{self.where[name]}.py"
-        return _SUBMODULES.setdefault(sub, PeerSource("ms-swift-loss", files=(sub,), markers=("swift/megatron",),
-                                                      how=HOW, stubs=SOURCE.stubs)).find(name)
-
-
-_SUBMODULES: dict[str, PeerSource] = {}
-
-
-def _lazy_inits() -> dict[str, _LazyInit]:
-    """ms-swift's lazy packages in the tree on sys.path (none without one), each as a `_LazyInit`."""
-    roots = PeerSource("ms-swift-loss", files=(), markers=("swift/megatron",)).roots()
-    out = {}
-    for init in sorted(roots[0].joinpath("swift").rglob("__init__.py")) if roots else ():
-        text = init.read_text(encoding="utf-8", errors="replace")
-        if "_LazyModule(" not in text:
-            continue
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_import_structure"
-                                                    for t in node.targets):
-                package = ".".join(init.parent.relative_to(roots[0]).parts)
-                out[package] = _LazyInit(package, ast.literal_eval(node.value))
-    return out
-
-
 # `provides`: `swift/megatron/utils/megatron_lm_utils.py` imports `split_cp_inputs` from mcore-bridge (not
 # installed here) for the CP slice of `get_batch_on_this_cp_rank`, which CP 1 never reaches.
 SOURCE = PeerSource("ms-swift-loss", markers=("swift/megatron",), how=HOW, provides={"split_cp_inputs": _no_cp_split},
-                    stubs=_lazy_inits(),  # type: ignore[arg-type]
                     files=("swift/megatron/trainers/grpo_trainer.py", "swift/megatron/trainers/base.py",
                            "swift/megatron/trainers/utils.py"))
 
