@@ -23,7 +23,7 @@ def probe_level():
 
 def test_every_builtin_level_is_registered_with_its_own_case_class():
     found = levels.all_levels()
-    assert tuple(found)[:4] == levels.BUILTIN
+    assert tuple(found)[:len(levels.BUILTIN)] == levels.BUILTIN
     for name, level in found.items():
         assert level.case_class.level == name and level.contracts and level.counts.cases
 

@@ -77,7 +77,9 @@ def memory_by_config(executed: list[Evidence], budget: dict[str, float]) -> dict
         # Only a level whose memory is weighed in multiples of its logits' T*V_local*4 is on this table's
         # scale (`on_logits_scale`): not the linear level's (memory-linear-retained's: no [T, V_local] at
         # all), nor the distillation level's (no budget; its memory check is memory-no-vocab-gather).
-        if case.T == 0 or not ev.level.memory.on_logits_scale or ev.failed_ranks or not all(figures):
+        # A level without memory rules (`Level.memory` None: the KL-estimator level's O(T) tensors) is not either.
+        if case.T == 0 or ev.level.memory is None or not ev.level.memory.on_logits_scale or ev.failed_ranks \
+                or not all(figures):
             continue
         row = configs.setdefault(memory_config(case), {"cases": 0, "worst": {}, "dtype": case.dtype})
         row["cases"] += 1

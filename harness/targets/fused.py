@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from harness.targets.declaration import Declaration
 from harness.targets.fused_distill import DISTILL_ROUTINE
+from harness.targets.fused_kl import KL_ROUTINE
 from harness.targets.fused_linear import FusedLinearSteps
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "distill_log_softmax",
     "distill_topk",
     "get_log_probs_and_entropy",
+    "kl_estimate",
 ]
 
 
@@ -635,3 +637,6 @@ distill_log_softmax = DISTILL_ROUTINE.distill_log_softmax
 distill_topk = DISTILL_ROUTINE.distill_topk
 distill_gather = DISTILL_ROUTINE.distill_gather
 distill_divergence = DISTILL_ROUTINE.distill_divergence
+
+# And the KL-estimator level (docs/kl.md), its steps in fused_kl.py.
+kl_estimate = KL_ROUTINE.kl_estimate

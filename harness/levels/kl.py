@@ -1,0 +1,28 @@
+"""The KL-estimator level: per-token KL estimators (k1, k2, k3, a clamped log-ratio) between a
+policy's and a reference's log-probs, masked and reduced as trainers reduce them (docs/kl.md).
+
+Per token and not vocab-parallel: its cases run at TP 1 (`cases/kl.py`), its evidence is a call
+(the distributed hygiene, `empty-input` at T = 0) and an oracle (`values`, `gradients`, `grad-flags`,
+`shapes-dtypes`, `finite`). Named for its level across the layers: `cases/kl.py`, `reference/kl.py`,
+`engine/kl.py`, `checks/kl.py`, `targets/fused_kl.py`, `targets/mutants/kl.py`."""
+from __future__ import annotations
+
+from harness.base.levels import Counts, Level, register
+from harness.cases.kl import KLCase, kl_cases
+from harness.checks.kl import KL_JUDGE, kl_expected
+from harness.engine.kl import run
+from harness.targets import Contract
+
+LEVEL = register(Level(
+    name="kl",
+    case_class=KLCase,
+    contracts={"kl": Contract("kl_estimate", ("log_probs", "ref_log_probs"),
+                              dict(kind="k3", mask=None, reduction="none", clamp=None))},
+    strategy=kl_cases,
+    run=run,
+    expected=kl_expected,
+    judge=KL_JUDGE,
+    evidence=frozenset({"call", "empty-call", "oracle"}),
+    # Per TP size asked for (all at TP 1): 3 x 10 cases at the default TP 1, 2, 4.
+    counts=Counts(cases={"smoke": 4, "ci": 10, "thorough": 100}),
+))
