@@ -125,6 +125,25 @@ class KLCase(CaseBase):
         return KLInputs(policy, ref, mask, weight)
 
 
+# What a routine of the level may not take, as capabilities (`HARNESS = Declaration(capabilities=...)`):
+# `kl_clamp`, the log-ratio clamp (OpenRLHF's estimator has none); `kl_sum`, the masked sum;
+# `kl_masked_tokens`, a mask on the per-token estimates (reduction "none": OpenRLHF masks only in its
+# mean). A routine without one is given the nearest case it takes.
+KL_CAPABILITIES = ("kl_clamp", "kl_sum", "kl_masked_tokens")
+
+
+def fit_kl(case: KLCase, supports: Any) -> KLCase:
+    """The nearest case whose clamp, reduction and per-token mask the routine takes."""
+    changes: dict[str, Any] = {}
+    if case.clamp is not None and not supports("kl_clamp"):
+        changes["clamp"] = None
+    if case.reduction == "sum" and not supports("kl_sum"):
+        changes["reduction"] = "token_mean"
+    if changes.get("reduction", case.reduction) == "none" and case.mask != "none" and not supports("kl_masked_tokens"):
+        changes["mask"] = "none"
+    return case.replace(**changes) if changes else case
+
+
 @st.composite
 def kl_cases(draw: Any, tp: Any = None, dp: Any = None, **_: Any) -> KLCase:
     """KL cases at TP 1, whatever TP sizes the run asks for (the level has no shards); T from 0 (the

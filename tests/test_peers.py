@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from harness.base.errors import TargetError
 from harness.cases.case import DistillCase, KernelCase, LinearCase, WrapperCase, parse_case
+from harness.cases.kl import KLCase
 from harness.checks.findings import BEYOND_USE
 from harness.checks.findings import IN_USE as IN_USE_MARK
 from harness.checks.known import load as load_known
@@ -52,6 +53,9 @@ CLEAN += [WrapperCase(tp=2, v_local=3, total_lengths=(1, 3, 8), response_lengths
                       regime="peaked", seed=3)]
 # And at the distillation level: a divergence from a teacher pass's top-k, fitted to what each peer takes.
 CLEAN += [DistillCase(tp=tp, T=5, v_local=6, teacher="given", k=3, seed=51 * tp) for tp in (1, 2)]
+# And at the KL-estimator level: every estimator near the reference, masked and reduced, at TP 1.
+CLEAN += [KLCase(tp=1, T=12, kind=kind, reduction=reduction, mask="random", seed=7 + i)
+          for i, (kind, reduction) in enumerate([("k1", "token_mean"), ("k2", "none"), ("k3", "token_mean")])]
 # One case per known finding or finding beyond the peer's use (its HARNESS_USE), with the check that
 # must report it: the finding is real, shows, and is explained (known, or beyond the use).
 WITNESSES: dict[str, list[tuple[str, str]]] = {
@@ -100,6 +104,8 @@ WITNESSES: dict[str, list[tuple[str, str]]] = {
                      ("distill:tp=1,T=3,v_local=4,dtype=bf16,seed=3", "shapes-dtypes")],
     "skyrl_mtp": [("distill:tp=2,T=4,v_local=6,kind=soft_ce,teacher=topk,k=2,seed=1", "values"),
                   ("distill:tp=1,T=3,v_local=8,kind=soft_ce,regime=neginf,seed=2", "finite")],
+    "openrlhf": [("kl:tp=1,T=4,kind=k1,reduction=token_mean,mask=empty,seed=1", "finite"),
+                 ("kl:tp=1,T=6,kind=k3,regime=fartail,seed=2", "values")],
     "trl": [("kernel:tp=2,T=6,v_local=5,regime=neginf,seed=1", "finite"),
             ("kernel:tp=1,T=4,v_local=8,dtype=bf16,seed=2", "shapes-dtypes"),
             ("kernel:tp=1,T=0,v_local=4", "empty-input")],

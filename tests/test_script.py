@@ -17,7 +17,7 @@ import torch
 
 from harness.base import levels
 from harness.checks import script as scripts
-from harness.targets import fused, fused_distill, fused_linear, load_target
+from harness.targets import fused, fused_distill, fused_kl, fused_linear, load_target
 from harness.targets.mutants import catalog
 
 SITE = str(Path(torch.__file__).resolve().parents[1])  # torch's folder, and no site: no harness
@@ -30,10 +30,10 @@ def _mutant_class(name: str) -> str:
 
 
 def built_in(folder: Path, name: str, mutant: str | None = None) -> Path:
-    """`harness/targets/fused.py` as the file `name`.py of `folder`, harness-free: the two modules it
+    """`harness/targets/fused.py` as the file `name`.py of `folder`, harness-free: the three modules it
     imports beside it, its declaration left out; with `mutant`'s routine in place of its own."""
     folder.mkdir(parents=True, exist_ok=True)
-    for module in (fused_distill, fused_linear):
+    for module in (fused_distill, fused_kl, fused_linear):
         (folder / Path(inspect.getfile(module)).name).write_text(Path(inspect.getfile(module)).read_text())
     text = Path(inspect.getfile(fused)).read_text()
     lines = text.splitlines()

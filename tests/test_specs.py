@@ -5,6 +5,7 @@ them."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,9 +57,11 @@ def test_valid_values_come_from_the_tuples_of_the_case_module():
     """One place: the fields carry the module's tuples themselves, so a value added there is valid."""
     kernel = valid_values(KernelCase)
     assert kernel["loss_terms"] == LOSS_TERMS and kernel["context"] == CONTEXTS and kernel["layout"] == LAYOUTS
-    tuples = {v for k, v in vars(case_module).items() if k.isupper() and isinstance(v, tuple)}
-    tuples.add(tuple(case_module.DTYPES))
     for cls in CASE_TYPES.values():
+        # A level's case class lives in its own module (`cases/kl.py`) or in `cases/case.py`: its tuples.
+        module = sys.modules[cls.__module__]
+        tuples = {v for m in (case_module, module) for k, v in vars(m).items() if k.isupper() and isinstance(v, tuple)}
+        tuples.add(tuple(case_module.DTYPES))
         assert set(valid_values(cls).values()) <= tuples, cls
         for name, values in valid_values(cls).items():  # every default is valid, every other string not
             default = cls.__dataclass_fields__[name].default
@@ -70,7 +73,7 @@ def test_valid_values_come_from_the_tuples_of_the_case_module():
 def _example(cls):
     return parse_case({"kernel": "kernel:tp=1,T=1,v_local=1", "linear": "linear:tp=1,T=1,H=1,v_local=1",
                        "wrapper": "wrapper:tp=1,v_local=1,total_lengths=2,response_lengths=1",
-                       "distill": "distill:tp=1,T=1,v_local=1"}[cls.level])
+                       "distill": "distill:tp=1,T=1,v_local=1", "kl": "kl:tp=1,T=1"}[cls.level])
 
 
 def test_fields_lists_every_field_and_its_values_per_level(capsys):

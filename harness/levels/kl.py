@@ -8,7 +8,7 @@ Per token and not vocab-parallel: its cases run at TP 1 (`cases/kl.py`), its evi
 from __future__ import annotations
 
 from harness.base.levels import Counts, Level, register
-from harness.cases.kl import KLCase, kl_cases
+from harness.cases.kl import KLCase, fit_kl, kl_cases
 from harness.checks.kl import KL_JUDGE, kl_expected
 from harness.engine.kl import run
 from harness.targets import Contract
@@ -19,6 +19,7 @@ LEVEL = register(Level(
     contracts={"kl": Contract("kl_estimate", ("log_probs", "ref_log_probs"),
                               dict(kind="k3", mask=None, reduction="none", clamp=None))},
     strategy=kl_cases,
+    fit=fit_kl,  # a routine without the clamp, the sum or a per-token mask: the nearest case it takes
     run=run,
     expected=kl_expected,
     judge=KL_JUDGE,
