@@ -119,6 +119,8 @@ class KLCase(CaseBase):
         else:
             keep = {"all": torch.ones(T, dtype=torch.bool), "empty": torch.zeros(T, dtype=torch.bool)}.get(
                 self.mask, torch.rand(T, generator=g) < 0.7)
+            if self.mask in ("random", "float") and T and not keep.any():
+                keep[0] = True  # no valid token is the `empty` mask's case, not a random one's
             mask = keep.to(torch.float32) if self.mask == "float" else keep
         shape = (T,) if self.reduction == "none" else ()
         weight = torch.randn(shape, generator=g)
