@@ -1,6 +1,6 @@
 """Defects of a trainer's caller in how it applies its own configuration: the chunk size it was
-given, the temperature. Wrapper-only targets, as a trainer's loss-side caller is (issue: the
-trainers' own callers): no kernel level stands beside them to compare memory with, so the wrapper's
+given, the temperature. Wrapper-only targets, as a trainer's loss-side caller is
+([docs/peers.md](../../../docs/peers.md#the-trainers-own-callers)): no kernel level stands beside them to compare memory with, so the wrapper's
 own memory contract has to see them: `memory-chunk-effect` (the call's memory against its own unchunked
 call's) and `memory-logits-dtype` (float32 work held to chunks at a level configured with a chunk size).
 
