@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.cases.case import Case, DistillCase, KernelCase, LinearCase, WrapperCase
+from harness.cases.linear_distill import LinearDistillCase
 
 
 @dataclass(frozen=True)
@@ -14,12 +15,17 @@ class Regression:
     name: str
     history: str
     check: str
-    case: Case
+    case: Case | LinearDistillCase
 
 
 def _d(**kw) -> DistillCase:
     base = dict(tp=2, T=6, v_local=5, seed=45)
     return DistillCase(**{**base, **kw})
+
+
+def _ld(**kw) -> LinearDistillCase:
+    base = dict(tp=1, T=9, H=6, v_local=13, chunk_size=4, labels="random", seed=1885)
+    return LinearDistillCase(**{**base, **kw})
 
 
 def _w(**kw) -> WrapperCase:
@@ -221,4 +227,13 @@ CORPUS: tuple[Regression, ...] = (
                _d(T=8, v_local=64, kind="mixed", beta=0.5)),
     Regression("distill-tp-group-not-world", "distillation in a world of DP x TP ranks: a reduction over the "
                "default group mixes replicas", "values", _d(kind="reverse_kl", dp=2, seed=4545)),
+    Regression("ld-per-chunk-mean", "torchtune #1885: a chunked distillation loss averaged each chunk over its own "
+               "valid tokens, then the chunks", "values", _ld(kind="soft_ce")),
+    Regression("ld-no-valid-label", "torchtune #2239, TRL #5885 and #6006: a batch without a valid label divided "
+               "by its zero count (NaN)", "finite", _ld(kind="forward_kl", labels="empty", hard_weight=0.5,
+                                                       soft_weight=0.5)),
+    Regression("ld-jsd-mixture-weights", "TRL #3043: the generalized JSD's mixture weights swapped (beta on the "
+               "student's side)", "values", _ld(kind="jsd", beta=0.1, temperature=2.0, teacher="logits")),
+    Regression("ld-ignored-tokens-distilled", "a chunked JSD that distils the tokens labels ignore (the prompt, "
+               "padding) and divides by the valid ones", "values", _ld(kind="jsd", beta=0.5, regime="peaked")),
 )

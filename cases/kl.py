@@ -130,19 +130,33 @@ class KLCase(CaseBase):
 # What a routine of the level may not take, as capabilities (`HARNESS = Declaration(capabilities=...)`):
 # `kl_clamp`, the log-ratio clamp (OpenRLHF's estimator has none); `kl_sum`, the masked sum;
 # `kl_masked_tokens`, a mask on the per-token estimates (reduction "none": OpenRLHF masks only in its
-# mean). A routine without one is given the nearest case it takes.
-KL_CAPABILITIES = ("kl_clamp", "kl_sum", "kl_masked_tokens")
+# mean); an estimator by its name (`k1`, `k2`, `k3`: a loss that computes one of them); `kl_per_token`
+# and `kl_token_mean`, the reductions "none" and "token_mean" (a reported metric that is a mean only, a
+# function that leaves the reduction to its caller); `kl_differentiable`, a gradient (a logged metric,
+# detached). A routine without one is given the nearest case it takes.
+KL_CAPABILITIES = ("kl_clamp", "kl_sum", "kl_masked_tokens", *KL_KINDS, "kl_per_token", "kl_token_mean",
+                   "kl_differentiable")
+_REDUCTION_CAPABILITY = {"none": "kl_per_token", "token_mean": "kl_token_mean", "sum": "kl_sum"}
 
 
 def fit_kl(case: KLCase, supports: Any) -> KLCase:
-    """The nearest case whose clamp, reduction and per-token mask the routine takes."""
+    """The nearest case whose estimator, clamp, reduction, per-token mask and gradient the routine takes."""
     changes: dict[str, Any] = {}
+    if not supports(case.kind):
+        changes["kind"] = next((k for k in KL_KINDS if supports(k)), case.kind)
     if case.clamp is not None and not supports("kl_clamp"):
         changes["clamp"] = None
-    if case.reduction == "sum" and not supports("kl_sum"):
-        changes["reduction"] = "token_mean"
+    if not supports(_REDUCTION_CAPABILITY[case.reduction]):
+        # A sum is nearest a token mean; a mean and the per-token estimates are nearest each other.
+        order = {"sum": ("token_mean", "none"), "token_mean": ("none", "sum"), "none": ("token_mean", "sum")}
+        changes["reduction"] = next((r for r in order[case.reduction] if supports(_REDUCTION_CAPABILITY[r])),
+                                    case.reduction)
+    if changes.get("reduction", case.reduction) != "none" and case.T == 0:
+        changes.update(T=1, mask="empty")  # no token to reduce: the empty mask's case
     if changes.get("reduction", case.reduction) == "none" and case.mask != "none" and not supports("kl_masked_tokens"):
         changes["mask"] = "none"
+    if case.requires_grad and not supports("kl_differentiable"):
+        changes["requires_grad"] = False
     return case.replace(**changes) if changes else case
 
 

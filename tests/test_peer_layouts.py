@@ -144,6 +144,18 @@ def test_a_lazy_package_init_is_read_through_its_type_checking_imports(tmp_path,
     assert found(3.5) == 8  # 2 * (floor(3.5) + OFFSET), scale read from acme/tools/helpers.py
 
 
+def test_a_name_rebound_in_terms_of_itself_reads_its_earlier_binding(tmp_path, monkeypatch) -> None:
+    """`if ...: f = torch.compile(f)` at a file's top (AReaL's `vocab_parallel.py`): the statement reads
+    the `f` bound before it (the `def`), not itself."""
+    (tmp_path / "acme").mkdir()
+    (tmp_path / "acme" / "wrapped.py").write_text(
+        "import os\n\n\ndef f(x):\n    return x + 1\n\n\nif os.sep:\n    f = (lambda g: lambda x: 10 * g(x))(f)\n"
+        "\n\ndef twice(x):\n    return 2 * f(x)\n")
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    found = PeerSource("acme-rebound", files=("acme/wrapped.py",), markers=("acme",)).find("twice")
+    assert found(1) == 40  # 2 * 10 * (1 + 1): the rebound f, wrapping the def
+
+
 def test_replays_run_eager(tmp_path) -> None:
     """Each commit's check runs with dynamo off: a trainer's torch.compile costs minutes per commit."""
     started: list[dict[str, str]] = []

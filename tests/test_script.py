@@ -17,7 +17,7 @@ import torch
 
 from harness.base import levels
 from harness.checks import script as scripts
-from harness.targets import fused, fused_distill, fused_kl, fused_linear, load_target
+from harness.targets import fused, fused_distill, fused_kl, fused_linear, fused_linear_distill, load_target
 from harness.targets.mutants import catalog
 
 SITE = str(Path(torch.__file__).resolve().parents[1])  # torch's folder, and no site: no harness
@@ -33,7 +33,7 @@ def built_in(folder: Path, name: str, mutant: str | None = None) -> Path:
     """`harness/targets/fused.py` as the file `name`.py of `folder`, harness-free: the three modules it
     imports beside it, its declaration left out; with `mutant`'s routine in place of its own."""
     folder.mkdir(parents=True, exist_ok=True)
-    for module in (fused_distill, fused_kl, fused_linear):
+    for module in (fused_distill, fused_kl, fused_linear, fused_linear_distill):
         (folder / Path(inspect.getfile(module)).name).write_text(Path(inspect.getfile(module)).read_text())
     text = Path(inspect.getfile(fused)).read_text()
     lines = text.splitlines()
@@ -89,6 +89,10 @@ FINDINGS = {
     "distill-gradients-tp2": (
         distill_built_in, "distill-grad-sum-not-reduced", "distill:tp=2,T=3,v_local=8,function=log_softmax,seed=3",
         "gradients", "", "DEFECT (gradients): rank 1's shard of the student's gradient is wrong"),
+    "distill-given-teacher": (
+        distill_built_in, "distill-given-temperature-ignored",
+        "distill:tp=2,T=4,v_local=4,teacher=given,k=4,renormalize=1,temperature=0.7,seed=3", "values", "",
+        "DEFECT (values): rank 0's output is wrong in row(s)"),
     "memory-logits-dtype": (
         built_in, "chunked-grad-buffer-float32", "kernel:tp=1,T=8,v_local=16,dtype=bf16,chunk_size=2,seed=1",
         "memory-logits-dtype", "", "rank 0's backward allocates a float32 buffer of all 8x16 bf16 logits"),
@@ -144,7 +148,7 @@ def test_refusals_name_what_a_script_cannot_hand_over(tmp_path: Path) -> None:
     assert "cp=1" in why(routine, wrapper_cp, "wrapper-gradients")
     assert "contiguous" in why(routine, "kernel:tp=1,T=3,v_local=4,layout=transposed", "values")
     assert "checks" in why(distill, "distill:tp=1,T=8,v_local=8,dtype=bf16,chunk_size=2", "memory-logits-dtype")
-    assert "full teacher" in why(distill, "distill:tp=1,T=4,v_local=8,teacher=given", "values")
+    assert "float32 logits" in why(distill, "distill:tp=1,T=4,v_local=8,teacher=given,dtype=bf16", "values")
     with pytest.raises(ValueError, match="training path"):
         scripts.write(routine, levels.parse("kernel:tp=1,T=3,v_local=4,context=no_grad"), "values", "",
                       tmp_path / "x.py")
@@ -158,11 +162,15 @@ PEER_CASES = {
     "wrapper": ("wrapper:tp=2,v_local=8,total_lengths=4/5,response_lengths=2/3,seed=1",),
     "linear": ("linear:tp=1,T=8,H=8,v_local=16,dtype=bf16,chunk_size=2,seed=1", "linear:tp=1,T=4,H=8,v_local=4,seed=1"),
     "distill": ("distill:tp=2,T=4,v_local=8,kind=jsd,temperature=0.9,seed=7",
-                "distill:tp=2,T=4,v_local=8,function=log_softmax,seed=1"),
+                "distill:tp=2,T=4,v_local=8,function=log_softmax,seed=1",
+                "distill:tp=2,T=4,v_local=8,teacher=given,k=4,renormalize=0,seed=3"),
+    "linear_distill": ("linear_distill:tp=1,T=6,H=4,v_local=9,chunk_size=2,hard_weight=0.5,soft_weight=0.5,seed=1",),
+    "kl": ("kl:tp=1,T=8,kind=k3,reduction=token_mean,mask=random,dtype=bf16,seed=1",
+           "kl:tp=1,T=8,kind=k1,reduction=none,regime=fartail,clamp=20.0,seed=2"),
 }
 PEERS_WITH_SCRIPTS = ("ms_swift", "ms_swift_gkd", "nemo_rl", "skyrl_fused_linear", "verl", "verl_chunked",
                       "verl_fused_linear", "skyrl", "megatron", "megatron_fused", "trl", "prime_rl", "cce", "nemo_rl_distill",
-                      "skyrl_mtp")
+                      "skyrl_mtp", "verl_distill", "openrlhf", "verl_kl", "trl_gkd", "megatron_rl")
 
 
 @pytest.mark.parametrize("peer", PEERS_WITH_SCRIPTS)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 # The registration line: the modules of `harness.levels` that define the built-in levels, in the
 # order they are run, listed and reported.
-BUILTIN = ("kernel", "wrapper", "linear", "distill", "kl")
+BUILTIN = ("kernel", "wrapper", "linear", "distill", "kl", "linear_distill")
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,9 @@ class Recipe:
     how: str = ""
     tensor_parallel: bool = True
     name: str = ""  # whose routine, in the script's title
+    # Modules a peer's file imports at its top that its call never reaches: stand-ins, each with the
+    # names the file imports from it (None), so that the file loads where its trainer's package does not.
+    stubs: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 def _imports_harness(path: Path) -> bool:
@@ -94,7 +97,9 @@ def _recipe(target: Target, level: str) -> Recipe | str:
         if level not in declared:
             return f"{target.spec}'s declaration has no {level} call for scripts"
         files = {k: (v,) if isinstance(v, str) else tuple(v) for k, v in declared.get("files", {}).items()}
+        stubs = tuple((m, tuple(names)) for m, names in declared.get("stubs", {}).items())
         return Recipe(files, declared[level], megatron=bool(declared.get("megatron")), how=str(declared.get("how", "")),
+                      stubs=stubs,
                       tensor_parallel=target.supports("tensor_parallel"), name=str(declared.get("name", "")))
     file = getattr(module, "__file__", None)
     if module is None or file is None:
@@ -145,6 +150,12 @@ def refusal(target: Target, case: Case, check: str) -> str | None:
     if case.tp > 1 and not how.tensor_parallel:
         return (f"{target.spec} is not tensor-parallel: at TP {case.tp} the shards are gathered by the harness, "
                 "not by the routine; scripts of it run at TP 1")
+    if how.call is not None:  # a peer's declared call: it must take every input the case hands over
+        params = inspect.signature(how.call).parameters
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            lacking = [k for k in written.required(case) if k not in params]
+            if lacking:
+                return f"{target.spec}'s script call takes no {', '.join(lacking)} (this case hands them over)"
     return None
 
 
@@ -182,7 +193,6 @@ def render(target: Target, case: Case, check: str, term: str, written: LevelScri
                                    if memory else {})}
     used = run + judge + parts.inputs  # a level's constant is written where its code reads it
     read = {k: v for k, v in extra.items() if re.search(rf"\b{k}\b", used)}
-    settings = "\n".join(f"{', '.join(names)} = {', '.join(map(repr, names.values()))}" for names in (constants, read) if names)
     # Sections apart by a blank line; the functions of one section (finding the routine, judging,
     # running the ranks) one after the other.
     sections = [[_loader(how, contract.name, target), *([_source(how.call)] if how.call is not None else [])],
@@ -190,6 +200,9 @@ def render(target: Target, case: Case, check: str, term: str, written: LevelScri
                 [_runner(case.tp, megatron, check, raising), "if __name__ == '__main__': sys.exit(main())"]]
     text = "\n\n".join("\n".join(_tight(b) for block in section for b in re.split(r"\n[ \t]*\n[ \t]*\n", block.strip("\n")))
                        for section in sections)
+    # The shared constants too, where the script reads them (a level without a vocabulary reads no V).
+    shared = {k: v for k, v in constants.items() if re.search(rf"\b{k}\b", text)}
+    settings = "\n".join(f"{', '.join(names)} = {', '.join(map(repr, names.values()))}" for names in (shared, read) if names)
     head = _head(target, case, check, term, how, contract.name, name, parts.about, megatron)
     return f"{head}\n{_imports(settings + text)}\n{settings}\n\n{text}\n"
 
@@ -233,7 +246,7 @@ def _call(fn: Any, lead: int, contract: Any, args: dict[str, tuple[str, Any]]) -
 # The script's imports, each where its text uses it: the standard library's, then torch's, on one line.
 IMPORTS = {"argparse": "argparse", "datetime": "datetime", "functools": "functools", "importlib.import_module": "importlib",
            "importlib.util": "importlib.util", "math.": "math", "os.": "os", "sys.": "sys", "tempfile": "tempfile",
-           "traceback": "traceback", "weakref": "weakref"}
+           "traceback": "traceback", "types.": "types", "weakref": "weakref"}
 TORCH = {"torch": "torch", "dist.": "torch.distributed as dist", "mp.": "torch.multiprocessing as mp"}
 FROM = {"TorchDispatchMode": "torch.utils._python_dispatch", "tree_leaves": "torch.utils._pytree",
         "FlopCounterMode": "torch.utils.flop_counter"}
@@ -257,11 +270,14 @@ def _loader(how: Recipe, name: str, target: Target) -> str:
     assert how.call is not None
     loads = ", ".join(f"load{tuple(v)!r}".replace(",)", ")") if v[0].endswith(".py") else
                       f"importlib.import_module({v[0]!r})" for v in how.files.values())
-    load = '''def load(*where):  # a file of the trainer's tree (at any past place) under an entry of PYTHONPATH, alone
+    stubs = f"""
+    for m, names in {dict(how.stubs)!r}.items():  # imported at its top, never called
+        sys.modules.setdefault(m, types.SimpleNamespace(**dict.fromkeys(names)))""" if how.stubs else ""
+    load = f'''def load(*where):  # a file of the trainer's tree (at any past place) under an entry of PYTHONPATH, alone{stubs}
     path = next((p for p in (os.path.join(r or ".", w) for r in sys.path for w in where) if os.path.isfile(p)), where[0])
-    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+    spec = importlib.util.spec_from_file_location(where[0][:-3].replace("/", "."), path)
     spec.loader.exec_module(module := importlib.util.module_from_spec(spec))  # OSError where the tree is not
-    return module
+    return sys.modules.__setitem__(spec.name, module) or module  # by its module name: a later file imports it
 
 
 ''' if "load(" in loads else ""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from hypothesis import given
 from hypothesis import seed as hyp_seed
@@ -124,7 +125,7 @@ def run_cover(runner: Runner, cases: list[Case], only: set[str] | None, limits: 
     return found, False
 
 
-def corpus_cases(levels: Iterable[str], tps: Iterable[int]) -> list[tuple[str, Case]]:
+def corpus_cases(levels: Iterable[str], tps: Iterable[int]) -> list[tuple[str, Any]]:  # a case of any level
     """The regression corpus's entries of these levels, in its order, each as (name, case) at a TP
     size asked for (a case at another size moves to the largest)."""
     tps, levels = sorted(tps), set(levels)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from harness.base.levels import Counts, Level, register
 from harness.cases.kl import KLCase, fit_kl, kl_cases
 from harness.checks.kl import KL_JUDGE, kl_expected
+from harness.checks.scripts.kl import KL_SCRIPT
 from harness.engine.kl import run
 from harness.targets import Contract
 
@@ -23,6 +24,7 @@ LEVEL = register(Level(
     run=run,
     expected=kl_expected,
     judge=KL_JUDGE,
+    script=KL_SCRIPT,
     evidence=frozenset({"call", "empty-call", "oracle"}),
     # Per TP size asked for (all at TP 1): 3 x 10 cases at the default TP 1, 2, 4.
     counts=Counts(cases={"smoke": 4, "ci": 10, "thorough": 100}),

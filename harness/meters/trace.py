@@ -111,7 +111,19 @@ def install() -> None:
         setattr(dist, op, wrapped)
         if getattr(c10d, op, None) is fn:
             setattr(c10d, op, wrapped)
+        # torch.compile swaps a collective for its traceable form by the function's identity: the wrapper
+        # gets the same form, or Dynamo traces into it and refuses its recording as a side effect. A
+        # collective inside compiled code is then not recorded (`collectives` sees the eager ones).
+        remaps = getattr(_functional_collectives(), "traceable_collective_remaps", {})
+        if fn in remaps:
+            remaps[wrapped] = remaps[fn]
     _installed = True
+
+
+def _functional_collectives() -> Any:
+    from torch.distributed import _functional_collectives
+
+    return _functional_collectives
 
 
 def observe(before: Callable[[Event, bool], None] | None, after: Callable[[], None] | None = None) -> None:

@@ -39,6 +39,7 @@ from harness.targets.declaration import Declaration
 from harness.targets.fused_distill import DISTILL_ROUTINE
 from harness.targets.fused_kl import KL_ROUTINE
 from harness.targets.fused_linear import FusedLinearSteps
+from harness.targets.fused_linear_distill import LINEAR_DISTILL_ROUTINE
 
 __all__ = [
     "LINEAR_ROUTINE",
@@ -53,6 +54,7 @@ __all__ = [
     "distill_topk",
     "get_log_probs_and_entropy",
     "kl_estimate",
+    "linear_distill_loss",
 ]
 
 
@@ -640,3 +642,6 @@ distill_divergence = DISTILL_ROUTINE.distill_divergence
 
 # And the KL-estimator level (docs/kl.md), its steps in fused_kl.py.
 kl_estimate = KL_ROUTINE.kl_estimate
+
+# And the fused-linear distillation level (docs/linear-distill.md), its steps in fused_linear_distill.py.
+linear_distill_loss = LINEAR_DISTILL_ROUTINE.linear_distill_loss

@@ -44,7 +44,9 @@ class LevelScript:
     `alone`: the checks whose finding about one term runs that term alone in the loss. `raising`: the
     checks whose judge reads a rank's error (besides `crash` and `empty-input`). `parallel_state`: the
     routine takes its TP group from megatron-core's parallel_state. `exempt`: dimensions that mark a
-    float32 tensor as an input's or its gradient's, not a copy of the logits (the memory check)."""
+    float32 tensor as an input's or its gradient's, not a copy of the logits (the memory check).
+    `required(case)`: the arguments a peer's declared call must take to be handed this case (a top-k
+    teacher's log-probs and ids): a call without one is refused, not called without it."""
     checks: tuple[str, ...]
     write: Callable[[Any, str, str, bool], Parts]
     refuse: Callable[[Any], str | None] = lambda case: None
@@ -52,6 +54,7 @@ class LevelScript:
     raising: tuple[str, ...] = ()
     parallel_state: bool = False
     exempt: Callable[[Any], tuple[int, ...]] = lambda case: ()
+    required: Callable[[Any], tuple[str, ...]] = lambda case: ()
 
 
 def code(text: str) -> str:

@@ -24,12 +24,32 @@ DIVERGENCE = {
 
 
 def answer(case: Any) -> str:
-    """The float64 output of the case's function, from the float64 logits `s` and `t`."""
+    """The float64 output of the case's function, from the float64 logits `s` and `t`: over the whole
+    vocabulary, or over the teacher's top-k `ids` (renormalized over them or not), the teacher's
+    log-probs there its own or, for a given teacher, its pass's float32 ones (`teacher_pass`)."""
     if case.function == "log_softmax":
         return "torch.log_softmax(s / TEMPERATURE, -1)"
     mix = "\n    lm = (BETA * lt.exp() + (1 - BETA) * ls.exp()).log()" if case.kind == "jsd" else ""
-    return (f"ls, lt = torch.log_softmax(s / TEMPERATURE, -1), torch.log_softmax(t / TEMPERATURE, -1){mix}\n"
-            f"    kl = {KL}\n    return {DIVERGENCE[case.kind]}")
+    if case.teacher == "full":
+        pair = "ls, lt = torch.log_softmax(s / TEMPERATURE, -1), torch.log_softmax(t / TEMPERATURE, -1)"
+    else:
+        on = (lambda z: f"{z}.gather(-1, ids).log_softmax(-1)") if case.renormalize else \
+            (lambda z: f"{z}.log_softmax(-1).gather(-1, ids)")
+        given = "(teacher_pass(t)[0].double() / TEMPERATURE).log_softmax(-1)" if case.renormalize else \
+            "teacher_pass(t)[0].double()"
+        pair = (f"ids = t.topk(K, -1).indices  # the teacher's top-k: the support\n"
+                f"    ls, lt = {on('(s / TEMPERATURE)')}, {given if case.teacher == 'given' else on('(t / TEMPERATURE)')}")
+    return f"{pair}{mix}\n    kl = {KL}\n    return {DIVERGENCE[case.kind]}"
+
+
+# The arguments that hand the divergence its teacher, by the case's teacher form.
+TEACHER_ARGS = {"full": ("teacher_logits",), "topk": ("teacher_logits", "k"),
+                "given": ("teacher_topk_log_probs", "teacher_topk_indices")}
+
+TEACHER_PASS = code('''
+def teacher_pass(t):
+    """A teacher pass's top-k: float32 log-probs at its K largest logits, and their global ids."""
+    return t.double().log_softmax(-1).gather(-1, ids := t.double().topk(K, -1).indices).float(), ids''')
 
 
 def write(case: Any, check: str, term: str, memory: bool) -> Parts:
@@ -45,6 +65,8 @@ def write(case: Any, check: str, term: str, memory: bool) -> Parts:
     # divergence's are left as drawn (a planted peak would make the other shards' share of the
     # gradient vanish, and with it a shard-local normaliser's defect).
     plant = case.function == "log_softmax"
+    given = case.function == "divergence" and case.teacher == "given"
+    passed, pass_call = ("\n\n\n" + TEACHER_PASS, "\n    tl, ti = teacher_pass(t)") if given else ("", "")
     inputs = f'''
 def inputs():
     """The student's and the teacher's logits [T, V]{" (the shards' edges planted on top)" if plant else ""}, the loss's weights."""
@@ -54,19 +76,24 @@ def inputs():
 {PLANT if plant else ""}    return s.to({dtype(case)}), t.to({dtype(case)}), {w}
 
 
-{reference}'''
+{reference}{passed}'''
     run = f'''
 def run(fn, rank, group):
     """Rank `rank`'s shards of the student's logits (a leaf that requires grad) and the teacher's; the call{"; the backward" if backward else ""}."""
     s, t, w = inputs()
-    student = s[:, {shard}].clone().requires_grad_({case.requires_grad})
+    student = s[:, {shard}].clone().requires_grad_({case.requires_grad}){pass_call}
     out = CALL{after}
     return {{"out": out, "grad": student.grad}}'''
     judge = {"values": VALUES, "gradients": GRADIENTS}.get(check, EMPTY if check == "empty-input" else NONE)
     args = {"student_logits": ("student", ANY), "logits": ("student", ANY), "tp_group": ("group", ANY),
-            "teacher_logits": (f"t[:, {shard}]", ANY), "kind": (repr(case.kind), case.kind),
+            "teacher_logits": (f"t[:, {shard}]", ANY), "teacher_topk_log_probs": ("tl", ANY),
+            "teacher_topk_indices": ("ti", ANY), "k": (repr(case.k), case.k), "kind": (repr(case.kind), case.kind),
             "beta": (repr(case.beta), case.beta), "temperature": (repr(case.temperature), case.temperature),
-            "chunk_size": (repr(case.chunk_size), case.chunk_size)}
+            "renormalize": (repr(case.renormalize), case.renormalize), "chunk_size": (repr(case.chunk_size), case.chunk_size)}
+    teacher = TEACHER_ARGS[case.teacher]
+    args = {k: v for k, v in args.items() if k not in ("teacher_logits", "teacher_topk_log_probs", "teacher_topk_indices",
+                                                       "k", "renormalize") or k in teacher
+            or k == "renormalize" and case.teacher != "full"}
     if case.function == "log_softmax":
         args = {k: args[k] for k in ("logits", "tp_group", "temperature", "chunk_size")}
     else:
@@ -80,7 +107,7 @@ def run(fn, rank, group):
     vocab = case.tp * case.v_local
     edges = sorted({i for n in (1, 2, 4, 8) if vocab % n == 0 for r in range(n)
                     for i in (r * (vocab // n), (r + 1) * (vocab // n) - 1)})[:case.T]
-    return Parts(inputs, run, judge, args, about, {"BETA": case.beta, "TEMPERATURE": case.temperature,
+    return Parts(inputs, run, judge, args, about, {"BETA": case.beta, "TEMPERATURE": case.temperature, "K": min(case.k, case.tp * case.v_local),
                                                    **({"EDGES": edges} if plant else {})})
 
 
@@ -119,8 +146,10 @@ PLANT = '''    for row, (a, b) in enumerate(zip(EDGES, reversed(EDGES))):
 def refuse(case: Any) -> str | None:
     if case.layout != "contiguous":
         return "scripts hand over the student's logits contiguous (layout at its default)"
-    if case.function not in ("divergence", "log_softmax") or case.function == "divergence" and case.teacher != "full":
-        return "scripts call distill_divergence with a full teacher, or distill_log_softmax"
+    if case.function not in ("divergence", "log_softmax"):
+        return "scripts call distill_divergence or distill_log_softmax"
+    if case.function == "divergence" and case.teacher != "full" and case.dtype != "fp32":
+        return "a top-k teacher's script runs on float32 logits (ties of half-precision logits leave the support open)"
     if case.regime not in ("normal", "peaked") or case.teacher_grad or case.self_teacher:
         return "scripts draw normal or peaked logits, a teacher without gradient, not the student itself"
     return None
@@ -130,4 +159,5 @@ DISTILL_SCRIPT = LevelScript(
     checks=("values", "gradients", "crash", "empty-input"),
     write=write,
     refuse=refuse,
+    required=lambda case: TEACHER_ARGS[case.teacher] if case.function == "divergence" else (),
 )

@@ -271,8 +271,11 @@ class _Module:
         body = _parse(path).body
         self.future = [n for n in body if isinstance(n, ast.ImportFrom) and n.module == "__future__"]
         self.bindings: dict[str, ast.stmt] = {}
+        self.earlier: dict[int, dict[str, ast.stmt]] = {}  # per statement, the bindings before it of names it rebinds
         for node in body:
             for name in _bound(node):
+                if name in self.bindings:
+                    self.earlier.setdefault(id(node), {})[name] = self.bindings[name]
                 self.bindings[name] = node  # the last binding, as at the end of the module's run
             if isinstance(node, ast.If) and _type_checking(node):
                 # A lazy package `__init__` (transformers' `_LazyModule`) binds its names at run time
@@ -289,15 +292,16 @@ class _Module:
     def where(self, node: ast.stmt) -> str:
         return f"{self.tree.source.peer}'s {self.rel.as_posix()}:{node.lineno}"
 
-    def need(self, name: str) -> Any:
-        """The value `name` has at this file's top level, compiled or imported on first use."""
-        if dict.__contains__(self.ns, name):
+    def need(self, name: str, binding: ast.stmt | None = None) -> Any:
+        """The value `name` has at this file's top level (or as `binding` binds it), compiled or imported
+        on first use."""
+        if binding is None and dict.__contains__(self.ns, name):
             return dict.__getitem__(self.ns, name)
         provides = self.tree.source.provides
         if name in provides:
             value = provides[name]
         else:
-            node = self.bindings[name]
+            node = binding or self.bindings[name]
             if isinstance(node, ast.ImportFrom):
                 alias = next(a for a in node.names if (a.asname or a.name) == name)
                 value = self.tree.attr(self.absolute(node), alias.name, self.where(node))
@@ -328,8 +332,11 @@ class _Module:
         # A class body reads its module's names as a dict lookup that skips `_Globals.__missing__`:
         # what a definition reads when it runs (decorators, bases, a class body, defaults and, unless the
         # file defers them, annotations) is resolved first; function bodies resolve theirs when called.
+        rebinds = self.earlier.get(id(node), {})
         for name in _read_at_definition(node, lazy_annotations=bool(self.future)):
-            if (name in self.bindings and self.bindings[name] is not node) or name in self.tree.source.provides:
+            if name in rebinds and not dict.__contains__(self.ns, name):
+                self.need(name, rebinds[name])  # `f = torch.compile(f)`: it reads the `f` bound before it
+            elif (name in self.bindings and self.bindings[name] is not node) or name in self.tree.source.provides:
                 self.need(name)  # a name the statement binds itself is its own, not a dependency
         code = compile(ast.Module(body=[*self.future, node], type_ignores=[]), str(self.path), "exec")
         exec(code, self.ns)  # noqa: S102 - the peer's own definition, compiled from its file

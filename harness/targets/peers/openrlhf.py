@@ -18,7 +18,11 @@ at its top, which the estimator never calls.
 """
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
+
+import torch
 
 from harness.targets.declaration import Declaration, PeerInfo
 from harness.targets.peers._source import PeerSource
@@ -28,8 +32,27 @@ HOW = ("git clone https://github.com/OpenRLHF/OpenRLHF && export PYTHONPATH=$PWD
 SOURCE = PeerSource("OpenRLHF", files=("openrlhf/models/utils.py", "openrlhf/models/loss.py"),
                     markers=("openrlhf/models",), how=HOW)
 
+
+def openrlhf_kl(log_probs, ref_log_probs, kind="k3", mask=None, reduction="none"):
+    """OpenRLHF's KL term as the adapter calls it (`ppo_actor.py:320-330`): `compute_approx_kl` per token,
+    then, for the token mean, `aggregate_loss` over the mask (`masked_mean` on commits before it), with no
+    global batch info. `utils.py` imports deepspeed at its top, which neither calls: the functions are
+    compiled alone from OpenRLHF's files on PYTHONPATH. `harness repro --script` embeds it."""
+    import ast
+    ns: dict = {"torch": torch}
+    for rel in ("openrlhf/models/utils.py", "openrlhf/models/loss.py"):  # FileNotFoundError where the tree is not
+        path = next((p for p in (os.path.join(e or ".", rel) for e in sys.path) if os.path.isfile(p)), rel)
+        body = [n for n in ast.parse(open(path).read()).body if getattr(n, "name", "") in ("compute_approx_kl", "masked_mean", "aggregate_loss")]
+        exec(compile(ast.Module(ast.parse("from __future__ import annotations").body + body, []), path, "exec"), ns)  # alone
+    kl = ns["compute_approx_kl"](log_probs, ref_log_probs, kl_estimator=kind)
+    return kl if reduction == "none" else ns.get("aggregate_loss", ns["masked_mean"])(kl, mask)
+
+
 HARNESS = Declaration(
     capabilities={"kl_clamp": False, "kl_sum": False, "kl_masked_tokens": False},
+    # `harness repro --script`: the call above (the tree's files are read by it, not loaded as modules).
+    script={"name": "OpenRLHF", "kl": openrlhf_kl, "how": "git clone https://github.com/OpenRLHF/OpenRLHF "
+            "&& export PYTHONPATH=$PWD/OpenRLHF:$PYTHONPATH (torch only: the script compiles its two functions alone)"},
     peer=PeerInfo(requires=("openrlhf",), install=HOW, upstream=(
         "openrlhf.models.utils.compute_approx_kl", "openrlhf.models.loss.aggregate_loss")),
 )

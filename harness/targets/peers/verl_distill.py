@@ -39,6 +39,7 @@ transformer_impl.py`), never -inf; the teacher's log-probs come from its rollout
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import torch
@@ -87,3 +88,21 @@ def distill_divergence(student_logits, tp_group, *, teacher_logits=None, teacher
     with torch._dynamo.config.patch(disable=True):  # megatron-core's jit_fuser'd helper, run eager (docstring)
         out = kl.apply(*args)
     return (out[0] if isinstance(out, tuple) else out)[0]
+
+
+def verl_topk_kl(losses, student_logits, tp_group, *, teacher_topk_log_probs, teacher_topk_indices, kind="forward_kl", renormalize=True, temperature=1.0):  # noqa: E501
+    """verl's `_VocabParallelKLDivergence` (`losses`, `verl/trainer/distillation/megatron/losses.py`)
+    as `compute_forward_kl_topk` applies it at CP 1, without the log-prob clamp. Needs only torch,
+    megatron-core and the file (its verl imports stand in): `harness repro --script` embeds it."""
+    out = losses._VocabParallelKLDivergence.apply(student_logits[None], teacher_topk_log_probs[None],
+                                                  teacher_topk_indices[None], None)
+    return (out[0] if isinstance(out, tuple) else out)[0]
+
+
+# `harness repro --script` (the layout with `log_prob_min_clamp`, from 19e2c9d4d on).
+if _KL is not None and len(inspect.signature(_KL.forward).parameters) > 4:
+    HARNESS = dataclasses.replace(HARNESS, script={
+        "name": "verl", "distill": verl_topk_kl, "megatron": True, "how": HOW,
+        "files": {"losses": "verl/trainer/distillation/megatron/losses.py"},
+        "stubs": {"verl.models.mcore.util": ("preprocess_bshd_engine", "preprocess_thd_engine"),
+                  "verl.workers.config": ("DistillationConfig", "DistillationLossConfig")}})

@@ -30,7 +30,6 @@ HOW = "pip install verl==0.9.1, or a verl tree on PYTHONPATH (its KL functions n
 SOURCE = PeerSource("verl-kl", files=("verl/trainer/ppo/core_algos.py",), markers=("verl/trainer",), how=HOW)
 
 
-
 def _takes_token_sum() -> bool:
     """Whether this commit's `agg_loss` has the `"token-sum"` mode (verl #7197 on): its masked sum."""
     roots = SOURCE.roots()
@@ -38,8 +37,24 @@ def _takes_token_sum() -> bool:
     return file is None or not file.is_file() or '"token-sum"' in file.read_text(encoding="utf-8", errors="replace")
 
 
+def verl_kl(ca, log_probs, ref_log_probs, kind="k3", mask=None, reduction="none"):
+    """verl's KL loss as the adapter calls it (`verl/workers/utils/losses.py:132-139`): `kl_penalty` per token,
+    then `agg_loss` over the response mask (every token where none is given) of a one-row micro-batch, `ca`
+    being `verl.trainer.ppo.core_algos` (imported: its file imports verl's utils). `harness repro --script`
+    embeds it."""
+    kld = ca.kl_penalty(logprob=log_probs, ref_logprob=ref_log_probs, kl_penalty=kind)
+    if reduction == "none":
+        return kld
+    mask = torch.ones_like(kld, dtype=torch.bool) if mask is None else mask
+    return ca.agg_loss(loss_mat=kld[None], loss_mask=mask[None], loss_agg_mode={"token_mean": "token-mean", "sum": "token-sum"}[reduction])
+
+
 HARNESS = Declaration(
     capabilities={"kl_clamp": False, "kl_masked_tokens": False, **({} if _takes_token_sum() else {"kl_sum": False})},
+    # `harness repro --script`: verl's module (imported, as its trainer does) and the call above.
+    script={"name": "verl", "files": {"ca": "verl.trainer.ppo.core_algos"}, "kl": verl_kl,
+            "how": "pip install verl==0.9.1 (TREE then empty), or a verl tree with verl's requirements installed (the "
+                   "script imports verl.trainer.ppo.core_algos)"},
     peer=PeerInfo(requires=("verl",), install=HOW, upstream=(
         "verl.trainer.ppo.core_algos.kl_penalty", "verl.trainer.ppo.core_algos.agg_loss")),
 )
