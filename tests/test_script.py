@@ -91,7 +91,7 @@ FINDINGS = {
         "gradients", "", "DEFECT (gradients): rank 1's shard of the student's gradient is wrong"),
     "distill-given-teacher": (
         distill_built_in, "distill-given-temperature-ignored",
-        "distill:tp=2,T=4,v_local=4,teacher=given,k=4,renormalize=1,temperature=0.7,seed=3", "values", "",
+        "distill:tp=1,T=4,v_local=8,teacher=given,k=4,renormalize=1,temperature=0.7,seed=3", "values", "",
         "DEFECT (values): rank 0's output is wrong in row(s)"),
     "memory-logits-dtype": (
         built_in, "chunked-grad-buffer-float32", "kernel:tp=1,T=8,v_local=16,dtype=bf16,chunk_size=2,seed=1",

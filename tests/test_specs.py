@@ -73,7 +73,8 @@ def test_valid_values_come_from_the_tuples_of_the_case_module():
 def _example(cls):
     return parse_case({"kernel": "kernel:tp=1,T=1,v_local=1", "linear": "linear:tp=1,T=1,H=1,v_local=1",
                        "wrapper": "wrapper:tp=1,v_local=1,total_lengths=2,response_lengths=1",
-                       "distill": "distill:tp=1,T=1,v_local=1", "kl": "kl:tp=1,T=1"}[cls.level])
+                       "distill": "distill:tp=1,T=1,v_local=1", "kl": "kl:tp=1,T=1",
+                       "linear_distill": "linear_distill:tp=1,T=1,H=1,v_local=2"}[cls.level])
 
 
 def test_fields_lists_every_field_and_its_values_per_level(capsys):
