@@ -63,8 +63,9 @@ class Recipe:
     tensor_parallel: bool = True
     name: str = ""  # whose routine, in the script's title
     # Modules a peer's file imports at its top that its call never reaches: stand-ins, each with the
-    # names the file imports from it (None), so that the file loads where its trainer's package does not.
-    stubs: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # names the file imports from it (None, or a script expression its top needs, such as a decorator),
+    # so that the file loads where its trainer's package does not.
+    stubs: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
 
 
 def _imports_harness(path: Path) -> bool:
@@ -97,7 +98,8 @@ def _recipe(target: Target, level: str) -> Recipe | str:
         if level not in declared:
             return f"{target.spec}'s declaration has no {level} call for scripts"
         files = {k: (v,) if isinstance(v, str) else tuple(v) for k, v in declared.get("files", {}).items()}
-        stubs = tuple((m, tuple(names)) for m, names in declared.get("stubs", {}).items())
+        stubs = tuple((m, tuple(names.items()) if isinstance(names, dict) else tuple((n, "None") for n in names))
+                      for m, names in declared.get("stubs", {}).items())
         return Recipe(files, declared[level], megatron=bool(declared.get("megatron")), how=str(declared.get("how", "")),
                       stubs=stubs,
                       tensor_parallel=target.supports("tensor_parallel"), name=str(declared.get("name", "")))
@@ -270,9 +272,9 @@ def _loader(how: Recipe, name: str, target: Target) -> str:
     assert how.call is not None
     loads = ", ".join(f"load{tuple(v)!r}".replace(",)", ")") if v[0].endswith(".py") else
                       f"importlib.import_module({v[0]!r})" for v in how.files.values())
-    stubs = f"""
-    for m, names in {dict(how.stubs)!r}.items():  # imported at its top, never called
-        sys.modules.setdefault(m, types.SimpleNamespace(**dict.fromkeys(names)))""" if how.stubs else ""
+    stubs = "".join(f"""
+    sys.modules.setdefault({m!r}, types.SimpleNamespace({', '.join(f'{n}={v}' for n, v in names)}))  # imported at its top"""
+                    for m, names in how.stubs)
     load = f'''def load(*where):  # a file of the trainer's tree (at any past place) under an entry of PYTHONPATH, alone{stubs}
     path = next((p for p in (os.path.join(r or ".", w) for r in sys.path for w in where) if os.path.isfile(p)), where[0])
     spec = importlib.util.spec_from_file_location(where[0][:-3].replace("/", "."), path)

@@ -43,8 +43,7 @@ def reference(hs, ws, ht, wt, labels, every=False):
     ls, lt = torch.log_softmax(s / TEMPERATURE, -1), torch.log_softmax(t / TEMPERATURE, -1){mix}
     kl = {KL}
     soft, hard = {DIVERGENCE[case.kind]}, -s.log_softmax(-1).gather(-1, labels.clamp(min=0)[:, None])[:, 0]
-    keep = labels != -100
-    return (HARD * hard[keep].sum() + SOFT * soft[keep | every].sum()) / max(int(keep.sum()), 1)'''
+    return (HARD * hard[(keep := labels != -100)].sum() + SOFT * soft[keep | every].sum()) / max(int(keep.sum()), 1)'''
     after = "\n    (out * w).backward()" if backward else ""
     run = f'''
 def run(fn, rank, group):
@@ -94,7 +93,7 @@ GRADIENTS = code(f'''
         """The gradients of weight * loss w.r.t. the student's hidden states and head, against float64 autograd."""
         hs, ws, ht, wt, labels, w = inputs()
         x = [hs.double().requires_grad_(), ws.double().requires_grad_(), ht.double(), wt.double(), labels]
-        want = dict(zip(("hidden", "head"), torch.autograd.grad(w * reference(*x), x[:2])))
+        want = dict(zip(("hidden", "head"), torch.autograd.grad(w * reference(*x), x[:2])))  # float64 autograd
         {TOL} * abs(w) * max(H, V)
         for name, what in (("hidden", "hidden states"), ("head", "LM head")):
             if results[0][name] is None:

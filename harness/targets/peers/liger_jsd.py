@@ -99,6 +99,6 @@ def liger_jsd(base, jsd, student_hidden, student_weight, teacher_hidden, teacher
 
 
 # `harness repro --script` (the layout with a chunk size and biases: #599 on), the `src/` folder on PYTHONPATH.
-if _TAKES_CHUNK and "student_bias" in _CALL:
+if _LOSS is None or ("chunk_size" in _INIT and "student_bias" in _CALL):
     HARNESS = dataclasses.replace(HARNESS, script={"name": "Liger-Kernel", "linear_distill": liger_jsd, "how": HOW, "files": {
         "base": f"{_CHUNKED}/fused_linear_distillation.py", "jsd": f"{_CHUNKED}/jsd_loss.py"}})

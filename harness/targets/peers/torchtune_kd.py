@@ -33,6 +33,7 @@ The classes are compiled alone from their files (`PeerSource.find`), from the to
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -100,3 +101,22 @@ def linear_distill_loss(student_hidden, student_weight, teacher_hidden, teacher_
     kd_loss = kd_loss_fn(logits, teacher_logits, batch_labels)
     class_loss = loss_fn(logits, batch_labels)
     return (1 - kd_ratio) * class_loss + kd_ratio * kd_loss
+
+
+def torchtune_kd(kd, ce, student_hidden, student_weight, teacher_hidden, teacher_weight, labels, *, kind="jsd",
+                 soft_weight=1.0, chunk_size=-1):
+    """The KD recipes' `(1 - kd_ratio) * CE + kd_ratio * KD` (`kd`: `kd_losses.py`, `ce`:
+    `ce_chunked_output_loss.py`) over the decoder's chunked logits (`TransformerDecoder.chunked_output`'s
+    `tensor_split`): `harness repro --script` embeds it."""
+    n = 8 if chunk_size < 1 else -(-len(labels) // chunk_size)  # the recipes' num_output_chunks, or the case's
+    s = [torch.nn.functional.linear(h, student_weight) for h in student_hidden[None].tensor_split(n, dim=1)]  # chunked_output
+    t = [h.detach() if teacher_weight is None else torch.nn.functional.linear(h, teacher_weight).detach() for h in teacher_hidden[None].tensor_split(n, dim=1)]  # noqa: E501
+    return (1 - soft_weight) * ce.CEWithChunkedOutputLoss(num_output_chunks=n)(s, labels[None]) + soft_weight * {"soft_ce": kd.ForwardKLWithChunkedOutputLoss, "reverse_kl": kd.ReverseKLWithChunkedOutputLoss}[kind](num_output_chunks=n)(s, t, labels[None])  # noqa: E501
+
+
+# `harness repro --script` (main's layout: the decoder's tensor_split, from torchtune #2560 on).
+HARNESS = dataclasses.replace(HARNESS, script={
+    "name": "torchtune", "linear_distill": torchtune_kd, "how": HOW,
+    "files": {"kd": "torchtune/modules/loss/kd_losses.py", "ce": "torchtune/modules/loss/ce_chunked_output_loss.py"},
+    "stubs": {"torchtune.utils": {"deprecated": "lambda *a, **k: (lambda c: c)"},
+              "torchtune.modules.loss.loss_types": {"SFTLoss": "object"}}})
