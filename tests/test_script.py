@@ -170,7 +170,7 @@ PEER_CASES = {
 }
 PEERS_WITH_SCRIPTS = ("ms_swift", "ms_swift_gkd", "nemo_rl", "skyrl_fused_linear", "verl", "verl_chunked",
                       "verl_fused_linear", "skyrl", "megatron", "megatron_fused", "trl", "prime_rl", "cce", "nemo_rl_distill",
-                      "skyrl_mtp", "verl_distill", "openrlhf", "verl_kl", "trl_gkd", "megatron_rl", "torchtune_kd", "liger_jsd")
+                      "skyrl_mtp", "verl_distill", "openrlhf", "verl_kl", "trl_gkd", "megatron_rl", "torchtune_kd", "liger_jsd", "openrlhf_loss")
 
 
 @pytest.mark.parametrize("peer", PEERS_WITH_SCRIPTS)

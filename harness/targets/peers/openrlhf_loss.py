@@ -30,6 +30,7 @@ untestable.
 from __future__ import annotations
 
 import ast
+import dataclasses
 from typing import Any
 
 import torch
@@ -99,3 +100,18 @@ def kl_estimate(log_probs: Any, ref_log_probs: Any, kind: str = "k3", mask: Any 
     advantages = torch.zeros_like(current)
     out = loss_fn(current, old, advantages, action_mask=action_mask)
     return out[2]  # (loss, clip_ratio, ppo_kl[, vllm_kl])
+
+
+def openrlhf_ppo_kl(utils, loss, log_probs, ref_log_probs, mask=None):
+    """`PolicyLoss()`'s reported `ppo_kl` (`loss`, its `masked_mean` from `utils`) as the actor calls it:
+    the contract's `log_probs` as the old log-probs, `ref_log_probs` as the current ones, zero
+    advantages, every token valid without a mask: `harness repro --script` embeds it."""
+    old, current = log_probs[None], ref_log_probs[None]
+    action_mask = torch.ones_like(old, dtype=torch.bool) if mask is None else mask[None]
+    return loss.PolicyLoss()(current, old, torch.zeros_like(current), action_mask=action_mask)[2]
+
+
+# `harness repro --script` (the layout with `ppo_kl`); `utils.py` imports deepspeed at its top, which no call reaches.
+HARNESS = dataclasses.replace(HARNESS, script={
+    "name": "OpenRLHF", "kl": openrlhf_ppo_kl, "how": HOW, "stubs": {"deepspeed": ()},
+    "files": {"utils": "openrlhf/models/utils.py", "loss": "openrlhf/models/loss.py"}})
