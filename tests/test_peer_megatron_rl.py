@@ -6,14 +6,13 @@ the function is refused. With MEGATRON_LM_TREE (a Megatron-LM tree's root, `mega
 """
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from harness.targets.peers import megatron_rl as adapter
+from harness.targets.peers import megatron_rl as adapter  # noqa: F401 - what `reload_adapter` reloads
 from harness.targets.peers._source import RoutineMissing
 
 RL_UTILS = '''
@@ -51,17 +50,6 @@ def _tree(root: Path, rel: str, text: str) -> Path:
     return root
 
 
-@pytest.fixture
-def reload(monkeypatch):
-    """The adapter re-imported under a tree on sys.path, and again without it afterwards."""
-    def at(root: Path):
-        monkeypatch.syspath_prepend(str(root))
-        return importlib.reload(adapter)
-    yield at
-    monkeypatch.undo()
-    importlib.reload(adapter)
-
-
 def _check(module) -> None:
     g = torch.Generator().manual_seed(0)
     lp = (-torch.rand(9, generator=g, dtype=torch.float64) * 3).float().requires_grad_()
@@ -77,15 +65,15 @@ def _check(module) -> None:
 
 
 @pytest.mark.parametrize("rel", ["megatron/rl/rl_utils.py", "megatron/training/rl_utils.py"])
-def test_kl_term_per_token_in_both_layouts(tmp_path, reload, rel):
-    _check(reload(_tree(tmp_path, rel, RL_UTILS)))
+def test_kl_term_per_token_in_both_layouts(tmp_path, reload_adapter, rel):
+    _check(reload_adapter(_tree(tmp_path, rel, RL_UTILS)))
 
 
-def test_a_tree_without_the_function_is_refused(tmp_path, reload):
+def test_a_tree_without_the_function_is_refused(tmp_path, reload_adapter):
     with pytest.raises(RoutineMissing, match="calculate_grpo_loss"):
-        reload(_tree(tmp_path, "megatron/rl/rl_utils.py", "import torch\n"))
+        reload_adapter(_tree(tmp_path, "megatron/rl/rl_utils.py", "import torch\n"))
 
 
 @pytest.mark.skipif(not os.environ.get("MEGATRON_LM_TREE"), reason="MEGATRON_LM_TREE (a Megatron-LM tree) not set")
-def test_kl_term_on_megatron_lms_function(reload):
-    _check(reload(Path(os.environ["MEGATRON_LM_TREE"])))
+def test_kl_term_on_megatron_lms_function(reload_adapter):
+    _check(reload_adapter(Path(os.environ["MEGATRON_LM_TREE"])))

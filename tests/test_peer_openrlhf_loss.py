@@ -5,14 +5,13 @@ is refused. With OPENRLHF_TREE (an OpenRLHF tree's root) the same values are che
 """
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from harness.targets.peers import openrlhf_loss as adapter
+from harness.targets.peers import openrlhf_loss as adapter  # noqa: F401 - what `reload_adapter` reloads
 from harness.targets.peers._source import RoutineMissing
 
 UTILS = '''
@@ -55,17 +54,6 @@ def _tree(root: Path, loss: str) -> Path:
     return root
 
 
-@pytest.fixture
-def reload(monkeypatch):
-    """The adapter re-imported under a tree on sys.path, and again without it afterwards."""
-    def at(root: Path):
-        monkeypatch.syspath_prepend(str(root))
-        return importlib.reload(adapter)
-    yield at
-    monkeypatch.undo()
-    importlib.reload(adapter)
-
-
 def _check(module) -> None:
     g = torch.Generator().manual_seed(0)
     old = -torch.rand(9, generator=g, dtype=torch.float64).float() * 3
@@ -81,15 +69,15 @@ def _check(module) -> None:
             module.kl_estimate(old, cur, kind=kind, reduction=reduction)
 
 
-def test_ppo_kl_is_the_token_mean_of_old_minus_current(tmp_path, reload):
-    _check(reload(_tree(tmp_path, REPORTS)))
+def test_ppo_kl_is_the_token_mean_of_old_minus_current(tmp_path, reload_adapter):
+    _check(reload_adapter(_tree(tmp_path, REPORTS)))
 
 
-def test_a_policy_loss_without_ppo_kl_is_refused(tmp_path, reload):
+def test_a_policy_loss_without_ppo_kl_is_refused(tmp_path, reload_adapter):
     with pytest.raises(RoutineMissing, match="ppo_kl"):
-        reload(_tree(tmp_path, SILENT))
+        reload_adapter(_tree(tmp_path, SILENT))
 
 
 @pytest.mark.skipif(not os.environ.get("OPENRLHF_TREE"), reason="OPENRLHF_TREE (an OpenRLHF tree) not set")
-def test_ppo_kl_on_openrlhfs_policy_loss(reload):
-    _check(reload(Path(os.environ["OPENRLHF_TREE"])))
+def test_ppo_kl_on_openrlhfs_policy_loss(reload_adapter):
+    _check(reload_adapter(Path(os.environ["OPENRLHF_TREE"])))

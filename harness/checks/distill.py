@@ -14,7 +14,7 @@ import torch
 
 from harness.cases.case import DistillCase
 from harness.checks import Evidence, check
-from harness.checks.oracle import DistillExpected
+from harness.checks.oracle import DistillExpected, OneOutputJudge
 from harness.engine.calls import laid_out
 from harness.engine.observations import RankResult
 
@@ -219,21 +219,7 @@ def outputs_match(ev: Evidence, other: Evidence, what: str) -> list[str]:
     return problems
 
 
-class DistillJudge:
-    """The distillation level's judging of the oracle checks (`harness.checks.outputs`)."""
-    values = staticmethod(values)
-    gradients = staticmethod(gradients)
-    grad_flags = staticmethod(grad_flags)
-    shapes_dtypes = staticmethod(shapes_dtypes)
-    finite = staticmethod(finite)
-    outputs_match = staticmethod(outputs_match)
-
-    @staticmethod
-    def gradient_terms(ev: Evidence, related: dict[str, Evidence]) -> str:
-        return ""  # one output, no loss terms to tell apart
-
-
-DISTILL_JUDGE = DistillJudge()
+DISTILL_JUDGE = OneOutputJudge(values, gradients, grad_flags, shapes_dtypes, finite, outputs_match)
 
 
 # ------------------------------------------------------------------ the level's own checks

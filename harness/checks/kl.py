@@ -19,13 +19,13 @@ Named for its level, as `levels/kl.py` declares it and `cases/kl.py`, `reference
 `checks/kl.py` and `mutants/kl.py` hold its parts: a level keeps one module name across the layers."""
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import cast
 
 import torch
 
 from harness.cases.kl import KLCase
 from harness.checks import Evidence
-from harness.checks.oracle import Expected
+from harness.checks.oracle import Expected, OneOutputJudge
 from harness.checks.tolerance import C_FN, OUT_U, U32
 from harness.reference import kl as ref
 
@@ -149,22 +149,4 @@ def finite(ev: Evidence) -> list[str]:
     return problems
 
 
-def outputs_match(ev: Evidence, other: Evidence, what: str) -> list[str]:
-    return []  # no twin: one rank, no chunks
-
-
-class KLJudge:
-    """The KL-estimator level's judging of the oracle checks (`harness.checks.outputs`)."""
-    values = staticmethod(values)
-    gradients = staticmethod(gradients)
-    grad_flags = staticmethod(grad_flags)
-    shapes_dtypes = staticmethod(shapes_dtypes)
-    finite = staticmethod(finite)
-    outputs_match = staticmethod(outputs_match)
-
-    @staticmethod
-    def gradient_terms(ev: Evidence, related: dict[str, Any]) -> str:
-        return ""  # one output, no loss terms to tell apart
-
-
-KL_JUDGE = KLJudge()
+KL_JUDGE = OneOutputJudge(values, gradients, grad_flags, shapes_dtypes, finite)

@@ -26,7 +26,7 @@ import torch
 from harness.cases.linear_distill import IGNORE_INDEX, LinearDistillCase
 from harness.checks import Evidence
 from harness.checks import distill_tolerance as dt
-from harness.checks.oracle import Expected
+from harness.checks.oracle import Expected, OneOutputJudge
 from harness.checks.tolerance import OUT_FLOOR, OUT_U, U32, dot_growth, growth
 from harness.reference import distill as dref
 from harness.reference import linear_distill as ref
@@ -167,21 +167,19 @@ def finite(ev: Evidence) -> list[str]:
 
 
 def outputs_match(ev: Evidence, other: Evidence, what: str) -> list[str]:
-    return []  # no twin: one rank
+    """The same case unchunked within twice the bound (both carry their error): the loss and both
+    gradients; a NaN both ways agrees here (whether it should be there is `finite`'s)."""
+    exp, mine, theirs = ev.expected, ev.ranks[0].obs, other.ranks[0].obs
+    problems = []
+    for who, a, b, bound in (("loss", mine.log_prob, theirs.log_prob, exp.log_prob_tol),
+                             ("grad of the student hidden states", mine.grad_hidden, theirs.grad_hidden,
+                              exp.grad_hidden_tol),
+                             ("grad of the student LM head", mine.grad, theirs.grad, exp.grad_tol)):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and isinstance(bound, torch.Tensor) \
+                and b.numel() == bound.numel():
+            problems += ev.compare(a, b.to(torch.float64).reshape(bound.shape), 2 * bound, f"{who} vs {what}",
+                                   equal_nan=True)
+    return problems
 
 
-class LinearDistillJudge:
-    """The fused-linear distillation level's judging of the oracle checks (`harness.checks.outputs`)."""
-    values = staticmethod(values)
-    gradients = staticmethod(gradients)
-    grad_flags = staticmethod(grad_flags)
-    shapes_dtypes = staticmethod(shapes_dtypes)
-    finite = staticmethod(finite)
-    outputs_match = staticmethod(outputs_match)
-
-    @staticmethod
-    def gradient_terms(ev: Evidence, related: dict[str, Any]) -> str:
-        return ""  # one loss: its terms are the case's weights
-
-
-LINEAR_DISTILL_JUDGE = LinearDistillJudge()
+LINEAR_DISTILL_JUDGE = OneOutputJudge(values, gradients, grad_flags, shapes_dtypes, finite, outputs_match)

@@ -45,6 +45,26 @@ class Expected:
     grad_hidden_tol: torch.Tensor | None = None
 
 
+def _no_twin(ev: Any, other: Any, what: str) -> list[str]:
+    return []
+
+
+@dataclass(frozen=True)
+class OneOutputJudge:
+    """The oracle checks' judging at a level of one output (`harness.checks.outputs` asks `Level.judge`):
+    its functions, each `(Evidence) -> problems`; `outputs_match(ev, other, what)` compares a case with
+    its twin (none where the level's cases have no twin); no loss terms to tell apart."""
+    values: Any
+    gradients: Any
+    grad_flags: Any
+    shapes_dtypes: Any
+    finite: Any
+    outputs_match: Any = _no_twin
+
+    def gradient_terms(self, ev: Any, related: Any) -> str:
+        return ""
+
+
 @functools.lru_cache(maxsize=256)
 def expected(case: Case) -> Expected:
     """The case's level's oracle (`Level.expected`), once per case."""
