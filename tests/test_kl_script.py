@@ -15,7 +15,7 @@ from harness.base import levels
 from harness.checks import script as scripts
 from harness.targets import fused_kl, load_target
 from harness.targets.mutants import catalog
-from tests.test_script import _mutant_class, start_script
+from tests.test_script import _mutant_class, finished, start_script
 
 
 def kl_routine(folder: Path, name: str, mutant: str | None = None) -> Path:
@@ -106,11 +106,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, 
         script = tmp / "openrlhf_repro.py"
         scripts.write(openrlhf, levels.parse(RUNS["empty-mean-nan"][1]), "finite", "", script)
         started["openrlhf"] = start_script(script, roots[0]), len(script.read_text().splitlines())
-    out = {}
-    for name, (run, lines) in started.items():
-        stdout, stderr = run.communicate(timeout=300)
-        out[name] = run.returncode, stdout, stderr, lines
-    return out
+    return finished(started)
 
 
 @pytest.mark.parametrize("name", RUNS)

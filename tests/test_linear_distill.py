@@ -160,3 +160,39 @@ def test_the_corpus_keeps_a_one_rank_level_s_cases_at_tp_1() -> None:
 
     cases = dict(corpus_cases(["linear_distill", "kernel"], [2, 4]))
     assert cases["ld-per-chunk-mean"].tp == 1 and cases["odd-vocab-tp2"].tp in (2, 4)
+
+
+def test_a_script_s_loss_bound_holds_for_conforming_routines_and_not_for_bf16_arithmetic(tmp_path, monkeypatch) -> None:
+    """The values script's loss bound (first order in each logit's rounding) is no false finding: over
+    the level's covering draw at eight seeds (fp32 and bf16, V up to 200) the built-in routine and the
+    independent control stay within half of it; and it can fail: a copy of the built-in routine that
+    keeps the chunk's logits in bf16 (the divergence's arithmetic in bf16, as Liger's) goes beyond it.
+    Each script runs in this process, its functions called."""
+    import sys
+    from pathlib import Path
+
+    from harness.base import levels
+    from harness.cases.linear_distill import linear_distill_cover
+    from harness.checks import script as scripts
+    from harness.targets import load_target
+
+    controls = Path(__file__).parent / "controls"
+    routines = {"built-in": _routine(tmp_path, "ld_bound_built_in"), "control": controls / "linear_distill_full.py",
+                "bf16 arithmetic": _routine(tmp_path, "ld_bound_bf16", ("return (hidden @ weight.T).float()",
+                                                                         "return hidden @ weight.T"))}
+    for folder in (tmp_path, controls):
+        monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setattr(sys, "argv", ["bound_check"])  # a script reads a routine file from its argument
+    worst = {name: 0.0 for name in routines}
+    for case in [c for seed in range(1, 9) for c in linear_distill_cover([1], seed, 40)]:
+        for name, routine in routines.items():
+            target = load_target(str(routine))
+            path = tmp_path / f"bound_{routine.stem}.py"
+            scripts.write(target, levels.fit(case, target.supports), "values", "", path)
+            ns: dict = {"__name__": "bound_check"}
+            exec(compile(path.read_text(), str(path), "exec"), ns)
+            got = ns["run"](ns["routine"](), 0, None)["out"].double()
+            hs, ws, ht, wt, labels, _ = ns["inputs"]()
+            x = [v.double() for v in (hs, ws, ht, wt)]
+            worst[name] = max(worst[name], float((got - ns["reference"](*x, labels)).abs() / ns["bound"](x, labels, hs.dtype)))
+    assert (worst["built-in"] < 0.5, worst["control"] < 0.5, worst["bf16 arithmetic"] > 1) == (True, True, True), worst

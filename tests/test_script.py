@@ -75,6 +75,15 @@ def start_script(script: Path, routine_folder: Path) -> subprocess.Popen:
                             text=True, cwd=script.parent, env=env)
 
 
+def finished(started: dict[str, tuple[subprocess.Popen, int]]) -> dict[str, tuple[int, str, str, int]]:
+    """Each started script's exit status, stdout, stderr and line count, once it ends."""
+    out = {}
+    for name, (run, lines) in started.items():
+        stdout, stderr = run.communicate(timeout=300)
+        out[name] = run.returncode, stdout, stderr, lines
+    return out
+
+
 # (copy, mutant, case, check, term, what the finding says)
 FINDINGS = {
     "kernel-values": (
@@ -170,7 +179,8 @@ PEER_CASES = {
 }
 PEERS_WITH_SCRIPTS = ("ms_swift", "ms_swift_gkd", "nemo_rl", "skyrl_fused_linear", "verl", "verl_chunked",
                       "verl_fused_linear", "skyrl", "megatron", "megatron_fused", "trl", "prime_rl", "cce", "nemo_rl_distill",
-                      "skyrl_mtp", "verl_distill", "openrlhf", "verl_kl", "trl_gkd", "megatron_rl", "torchtune_kd", "liger_jsd", "openrlhf_loss")
+                      "skyrl_mtp", "verl_distill", "openrlhf", "verl_kl", "trl_gkd", "megatron_rl", "torchtune_kd", "liger_jsd", "openrlhf_loss",
+                      "verl_loss", "ms_swift_loss", "nemo_rl_unpacked", "areal")
 
 
 @pytest.mark.parametrize("peer", PEERS_WITH_SCRIPTS)

@@ -25,6 +25,7 @@ arguments of the call; `kernel` / `wrapper` / `linear` / `distill`: the call at 
 of those modules and the contract's arguments that imports nothing but torch and megatron-core (its
 source goes into the script); `megatron`: the routine takes its TP group from megatron-core's
 `parallel_state`, which the script initialises; `how`: how to get the peer's tree. An adapter whose
+routine no stand-alone script can call says why instead: `script={"none": "..."}`. An adapter whose
 routine is not tensor-parallel (`capabilities["tensor_parallel"]` False) gets TP 1 scripts only.
 """
 from __future__ import annotations
@@ -95,6 +96,8 @@ def _recipe(target: Target, level: str) -> Recipe | str:
         next((m for m in list(sys.modules.values()) if getattr(m, "__file__", None) == target.spec), None)
     declared = declaration_of(module).script
     if declared is not None:
+        if "none" in declared:  # the adapter says why its routine cannot be called without the harness
+            return f"{target.spec} declares no script: {declared['none']}"
         if level not in declared:
             return f"{target.spec}'s declaration has no {level} call for scripts"
         files = {k: (v,) if isinstance(v, str) else tuple(v) for k, v in declared.get("files", {}).items()}
@@ -247,7 +250,7 @@ def _call(fn: Any, lead: int, contract: Any, args: dict[str, tuple[str, Any]]) -
 
 # The script's imports, each where its text uses it: the standard library's, then torch's, on one line.
 IMPORTS = {"argparse": "argparse", "datetime": "datetime", "functools": "functools", "importlib.import_module": "importlib",
-           "importlib.util": "importlib.util", "math.": "math", "os.": "os", "sys.": "sys", "tempfile": "tempfile",
+           "importlib.util": "importlib.util", "itertools.": "itertools", "math.": "math", "os.": "os", "sys.": "sys", "tempfile": "tempfile",
            "traceback": "traceback", "types.": "types", "weakref": "weakref"}
 TORCH = {"torch": "torch", "dist.": "torch.distributed as dist", "mp.": "torch.multiprocessing as mp"}
 FROM = {"TorchDispatchMode": "torch.utils._python_dispatch", "tree_leaves": "torch.utils._pytree",

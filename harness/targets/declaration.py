@@ -51,7 +51,8 @@ class Declaration:
     capabilities: dict[str, Capability] = field(default_factory=dict)
     memory_budget: dict[str, float] = field(default_factory=dict)
     use: list[dict[str, Any]] = field(default_factory=list)
-    # The keys `files`, `kernel` / `linear` / ..., `megatron`, `how`, `name`, `stubs` (`harness.checks.script`).
+    # The keys `files`, `kernel` / `linear` / ..., `megatron`, `how`, `name`, `stubs`, or `none` (why not)
+    # (`harness.checks.script`).
     script: dict[str, Any] | None = None
     peer: PeerInfo | None = None
 

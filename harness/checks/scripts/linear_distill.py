@@ -14,7 +14,7 @@ from typing import Any
 from harness.checks.scripts import ANY, LevelScript, Parts, code, dtype
 from harness.checks.scripts.distill import DIVERGENCE, KL
 
-_TEACHER = {"head": "ht, wt", "logits": "(ht.double() @ wt.double().T).to(ht.dtype), None"}
+_TEACHER = {"head": "", "logits": "\n    ht, wt = (ht.double() @ wt.double().T).to(ht.dtype), None  # the teacher's logits"}
 _LABELS = {"all": "", "random": "labels[torch.rand(T, generator=g) > 0.7] = -100  # ignored tokens (prompt, padding)",
            "empty": "labels[:] = -100  # no valid label in the batch"}
 _REGIME = {"peaked": "ht[torch.arange(T), 0] += 12; wt[:, 0] = torch.where(torch.arange(V) == 0, 1.0, 0.0)  # a confident teacher",
@@ -49,8 +49,7 @@ def reference(hs, ws, ht, wt, labels, every=False):
 def run(fn, rank, group):
     """The call with the student's inputs as leaves that require grad{"; the backward of weight * loss" if backward else ""}."""
     hs, ws, ht, wt, labels, w = inputs()
-    hs, ws = hs.clone().requires_grad_(), ws.clone().requires_grad_()
-    ht, wt = {_TEACHER[case.teacher]}
+    hs, ws = hs.clone().requires_grad_(), ws.clone().requires_grad_(){_TEACHER[case.teacher]}
     out = CALL{after}
     return {{"out": out.detach(), "hidden": hs.grad, "head": ws.grad}}'''
     judge = {"values": VALUES, "gradients": GRADIENTS, "finite": FINITE}.get(check, NONE)
@@ -69,24 +68,34 @@ def run(fn, rank, group):
         "HARD": case.hard_weight, "SOFT": case.soft_weight, "CHUNK": case.chunk_size})
 
 
-# The bound: float32 rounding at the logits' scale, and one rounding of the logits to the inputs' dtype.
+# The gradients' bound: float32 rounding at the logits' scale, and one rounding of the logits to the inputs' dtype.
 TOL = "tol = (64 * 2**-24 + torch.finfo(hs.dtype).eps) * (3 * (hs.double() @ ws.double().T).abs().max() + math.log(V))"
 
-VALUES = code(f'''
+# The loss's bound, first order: each logit may carry its float32 matmul's error and one rounding to the
+# inputs' dtype (a head's logits come out in it), and the loss moves by |dloss/dlogit| times that; plus
+# float32 rounding of the terms. Arithmetic in bf16 after bf16 logits goes beyond it.
+BOUND = code('''
+    def bound(x, labels, dtype, u=64 * 2**-24):
+        """The loss's first-order error bound: each logit's matmul error and rounding to `dtype`, times |dloss/dlogit|."""
+        s, t = (x[0] @ x[1].T).requires_grad_(), (x[2] @ x[3].T).requires_grad_()  # the logits, as leaves
+        gs, gt = torch.autograd.grad(reference(s, torch.eye(V, dtype=torch.float64), t, None, labels), (s, t))
+        return u * (3 * s.abs().max() + math.log(V)) + sum((g.abs() * (u * a.abs() @ b.abs().T + torch.finfo(dtype).eps * z.abs())).sum()
+                                                            for g, z, a, b in ((gs, s, *x[:2]), (gt, t, *x[2:4])))''')
+
+VALUES = code('''
     def judge(results):
         """The loss against the float64 loss; a miss matched against the usual causes."""
         hs, ws, ht, wt, labels, w = inputs()
         x, n = [v.double() for v in (hs, ws, ht, wt)] + [labels], int((labels != -100).sum())
-        want, got = reference(*x), results[0]["out"].double()
-        {TOL}
+        want, got, tol = reference(*x), results[0]["out"].double(), bound(x, labels, hs.dtype)
         if not (got - want).abs() <= tol:
             chunks = [reference(*[v[i:i + CHUNK] if v.shape[0] == T else v for v in x]) for i in range(0, T, CHUNK)] if CHUNK > 0 else []
             every = reference(*x, every=True)
-            causes = {{"the ignored tokens are distilled too": every, "it is divided by all T tokens, not the valid ones": want * max(n, 1) / T,
+            causes = {"the ignored tokens are distilled too": every, "it is divided by all T tokens, not the valid ones": want * max(n, 1) / T,
                       "the ignored tokens are distilled too, and it is divided by all T tokens": every * max(n, 1) / T,
-                      "each chunk is averaged over its own valid tokens": sum(chunks) / max(len(chunks), 1)}}
-            why = next((f": {{k}}" for k, v in causes.items() if (got - v).abs() <= tol), "")
-            yield f"the loss is {{got:.6g}} where {{want:.6g}} is expected over {{n}} valid of {{T}} tokens (|error| {{(got - want).abs():.3g}}, bound {{tol:.2g}}){{why}}"''')
+                      "each chunk is averaged over its own valid tokens": sum(chunks) / max(len(chunks), 1)}
+            why = next((f": {k}" for k, v in causes.items() if (got - v).abs() <= tol), "")
+            yield f"the loss is {got:.6g} where {want:.6g} is expected over {n} valid of {T} tokens (|error| {(got - want).abs():.3g}, bound {tol:.2g}: one rounding of each logit to {hs.dtype}, float32 after it){why}"''') + "\n\n\n" + BOUND
 
 GRADIENTS = code(f'''
     def judge(results):

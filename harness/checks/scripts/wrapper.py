@@ -17,12 +17,16 @@ VALUES = ("wrapper-extraction", "wrapper-entropy", "temperature", "top-p-replay"
 def write(case: Any, check: str, term: str, memory: bool) -> Parts:
     coef = 0.0 if case.entropy_coef is None else case.entropy_coef
     ent_in = case.with_entropy and coef != 0
-    backward = check in ("wrapper-gradients", "crash", "memory-logits-dtype") and sum(case.response_lengths) > 0
-    lossed = "sum((w * lp).sum() for w, lp in zip(w_lp, res['log_probs']))" + \
-        (" + sum((w * e).sum() for w, e in zip(w_ent, res['entropy']))" if ent_in else "")
+    backward = check in ("wrapper-gradients", "crash", "memory-logits-dtype")
+    # A crash (or a memory figure) is about every differentiable output, as a trainer's loss weighs
+    # them, with or without response rows; a gradient is about the terms the expectation has.
+    every = check != "wrapper-gradients"
+    outs = "res['log_probs'] + (res.get('entropy') or [])" if every or ent_in else "res['log_probs']"
+    lossed = f"sum(((w * o).sum() for o, w in zip({outs}, w_lp + w_ent) if o.requires_grad), torch.zeros(()))"
     body = "    _, res = CALL"
-    after = f"\n    ({lossed}).backward()" if backward else ""
-    out = ('{"log_probs": res["log_probs"], "entropy": res.get("entropy"), "grad": shard.grad, '
+    after = "" if not backward else f"\n    ({lossed}).backward()" if not every else \
+        f"\n    loss = {lossed}\n    if loss.requires_grad:\n        loss.backward()"
+    out = ('{"log-prob": res["log_probs"], "entropy": res.get("entropy"), "grad": shard.grad, '
            '"flags": [e.requires_grad for e in res.get("entropy") or []]}')
     body, after, out = metered(body, after, out, memory)
     nucleus = "\n    ids = [[torch.randperm(V, generator=g)[:int(torch.randint(1, V + 1, (1,), generator=g))].tolist() for _ in range(R)]\n" \
@@ -38,7 +42,7 @@ def inputs():
     return logits.to({dtype(case)}), tokens, {"ids" if nucleus else "None"}, w_lp, w_ent
 
 
-{reference(case, check, term)}'''
+{reference(case, check, term) if check in VALUES + ("wrapper-gradients",) else ""}'''
     run = f'''
 def run(fn, rank, group):
     """Rank `rank`'s shard of the packed logits, [1, T, V_LOCAL] as the model returns them; the call{"; the backward" if backward else ""}."""
@@ -54,7 +58,7 @@ def run(fn, rank, group):
             "top_p_token_offsets": ("[[0, *torch.tensor([len(r) for r in n]).cumsum(0).tolist()] for n in ids]", ANY)
             if top_p else ("None", None)}
     args_ns = {k: v for k, v in vars(case.args()).items() if k != "allgather_cp" or v}
-    judge = {"wrapper-gradients": GRADIENTS, "entropy-coef-rule": RULE, "crash": NONE}.get(check, VALUES_JUDGE)
+    judge = {"wrapper-gradients": gradients(case, ent_in), "entropy-coef-rule": RULE, "crash": NONE}.get(check, VALUES_JUDGE)
     terms = {"wrapper-extraction": ["log-prob"], "wrapper-entropy": ["entropy"], "top-p-replay": ["log-prob"]}.get(
         check, [term] if term else ["log-prob", "entropy"] if case.with_entropy else ["log-prob"])
     judge = judge.replace("TERMS", repr(terms))
@@ -73,12 +77,14 @@ def reference(case: Any, check: str, term: str) -> str:
     """`reference(x, tokens, ids)`: per sample, the float64 log-probs (and entropies, where the script
     reads them) of its response rows, the logits at the temperature, the nucleus replayed for the log-probs."""
     nucleus = case.top_p != "none"
-    entropy = check in ("wrapper-entropy", "temperature", "wrapper-gradients") and case.with_entropy and term != "log-prob"
+    coef = 0.0 if case.entropy_coef is None else case.entropy_coef
+    entropy = case.with_entropy and term != "log-prob" and (check in ("wrapper-entropy", "temperature") or
+                                                            check == "wrapper-gradients" and coef != 0)
     temp = f" / {case.temperature!r}" if case.temperature not in (None, 1.0) else ""
     lines = ["def reference(x, tokens, ids):  # per sample: its response rows' float64 values (row j predicts token j + 1)",
              "    lps, ents, start = [], [], 0",
              f"    for toks, L, R, nucleus in zip(tokens, TOTAL_LENGTHS, RESPONSE_LENGTHS, {'ids' if nucleus else '[None] * len(tokens)'}):",
-             f"        rows, targets = x[start + L - R - 1:start + L - 1]{temp}, toks[L - R:]"]
+             f"        rows, targets, start = x[start + L - R - 1:start + L - 1]{temp}, toks[L - R:], start + L"]
     if nucleus:
         lines += ["        keep = torch.zeros(R, V, dtype=torch.bool).index_put((torch.arange(R), targets), torch.tensor(True))",
                   "        keep |= torch.stack([torch.zeros(V, dtype=torch.bool).index_fill(0, torch.tensor(n, dtype=torch.long), True) for n in nucleus])",
@@ -87,7 +93,7 @@ def reference(case: Any, check: str, term: str) -> str:
         lines.append("        lps.append(torch.log_softmax(rows, -1)[torch.arange(R), targets])")
     if entropy:
         lines.append("        ents.append(-(torch.softmax(rows, -1) * torch.log_softmax(rows, -1).nan_to_num(0, 0, 0)).sum(-1))")
-    return "\n".join(lines + ["        start += L", "    return lps, ents"])
+    return "\n".join(lines + ["    return lps, ents"])
 
 
 VALUES_JUDGE = code('''
@@ -96,29 +102,10 @@ VALUES_JUDGE = code('''
         logits, tokens, ids, _, _ = inputs()
         x = logits.double()
         want = dict(zip(("log-prob", "entropy"), reference(x, tokens, ids)))
-        for rank, r in enumerate(results):
-            for term in TERMS:
-                got = r["log_probs" if term == "log-prob" else "entropy"]
-                for i, (g, w) in enumerate(zip(got, want[term])):
-                    if (found := off(g, w, 64 * 2**-24 * (x.abs().max() + math.log(V))))[0].any():
-                        yield (f"rank {rank}'s {term} of sample {i} is wrong at response row(s) "
-                               f"{found[0].nonzero().flatten().tolist()}: {found[1]}")''')
-
-GRADIENTS = code('''
-    def judge(results):
-        """The gradient w.r.t. each rank's shard of the loss over the response rows (the entropy's
-        term in it exactly when entropy_coef != 0), against float64 autograd."""
-        logits, tokens, ids, w_lp, w_ent = inputs()
-        x = logits.double().requires_grad_()
-        lps, ents = reference(x, tokens, ids)
-        on = ARGS.get("entropy_coef", 0.0) != 0 and WITH_ENTROPY
-        want = torch.autograd.grad(sum((w * lp).sum() for w, lp in zip(w_lp, lps)) + on * sum((w * e).sum() for w, e in zip(w_ent, ents)), x)[0]
-        tol = 64 * 2**-24 * (x.abs().max() + math.log(V)) * max(max(w.abs().max() for w in w_lp), 1.0)
-        for rank, r in enumerate(results):
-            shard = want[:, rank * V_LOCAL:(rank + 1) * V_LOCAL]
-            if (found := off(r["grad"], shard, tol))[0].any():
-                rows = found[0].any(-1).nonzero().flatten().tolist()
-                yield f"rank {rank}'s shard of the gradient is wrong in packed row(s) {rows}: {found[1]}"''')
+        for (rank, r), term in itertools.product(enumerate(results), TERMS):
+            for i, (g, w) in enumerate(zip(r[term], want[term])):
+                if (found := off(g, w, 64 * 2**-24 * (x.abs().max() + math.log(V))))[0].any():
+                    yield f"rank {rank}'s {term} of sample {i} is wrong at response row(s) {found[0].nonzero().flatten().tolist()}: {found[1]}"''')
 
 RULE = code('''
     def judge(results):
@@ -127,6 +114,27 @@ RULE = code('''
         return [f"rank {rank}'s entropy of sample {i} has requires_grad={flag} with entropy_coef="
                 f"{ARGS.get('entropy_coef', 'absent')}; {want} expected" for rank, r in enumerate(results)
                 for i, flag in enumerate(r["flags"]) if flag != want][:1]''')
+
+
+def gradients(case: Any, ent_in: bool) -> str:
+    """The gradient w.r.t. each rank's shard of the loss over the response rows (the entropy's term in
+    it exactly when entropy_coef != 0), against float64 autograd; at TP > 1, whether the rank owns
+    the wrong rows' targets (where a sharded log-softmax goes wrong)."""
+    # reference() returns the entropies only where they are in the loss: w_lp + w_ent pairs with lps (+ ents).
+    loss = "sum((w * v).sum() for w, v in zip(w_lp + w_ent, sum(reference(x, tokens, ids), [])))"
+    owned = ' + {frozenset({True}): ", whose target it owns", frozenset({False}): ", whose target it does not own"}' \
+        '.get(frozenset(int(nxt[j]) // V_LOCAL == rank for j in rows), "")' if case.tp > 1 else ""
+    return code(f'''
+        def judge(results):
+            """The gradient of the response rows' loss w.r.t. each rank's shard, against float64 autograd."""
+            logits, tokens, ids, w_lp, w_ent = inputs()
+            x, nxt = logits.double().requires_grad_(), torch.roll(torch.cat(tokens), -1)  # packed row j's target: token j + 1
+            want = torch.autograd.grad({loss}, x)[0]
+            tol = 64 * 2**-24 * (x.abs().max() + math.log(V)) * max(max(w.abs().max() for w in w_lp), 1.0)
+            for rank, r in enumerate(results):
+                if (found := off(r["grad"], want[:, rank * V_LOCAL:(rank + 1) * V_LOCAL], tol))[0].any():
+                    rows = found[0].any(-1).nonzero().flatten().tolist()
+                    yield f"rank {{rank}}'s shard of the gradient is wrong in packed row(s) {{rows}}"{owned} + f": {{found[1]}}"''')
 
 
 def refuse(case: Any) -> str | None:

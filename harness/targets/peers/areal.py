@@ -35,6 +35,7 @@ kernel level has no sequence parallelism).
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 from pathlib import Path
@@ -127,6 +128,23 @@ HARNESS = Declaration(
                 "logits are never empty"},
     ],
 )
+
+def areal_engine(vp, logits, tokens, tp_group, with_entropy=False, chunk_size=-1):
+    """AReaL's engines' call (`areal/engine/megatron_engine.py:2072-2078`, `fsdp_engine.py:1922-1928`): the TP
+    group only where it has more than one rank, no chunk size (AReaL's 1024 rows) unless the case sets one.
+    Needs only torch and `vp`, AReaL's `vocab_parallel.py` (AReaL #667 on): `harness repro --script` embeds it."""
+    kw = {"tp_group": tp_group if dist.get_world_size(tp_group) > 1 else None, **({"chunk_size": chunk_size} if chunk_size > 0 else {})}
+    if with_entropy:
+        return vp.gather_logprobs_entropy(logits, tokens.reshape(-1).long(), 1.0, **kw)
+    return vp.gather_logprobs(logits, tokens.reshape(-1).long(), 1.0, **kw), None
+
+
+# `harness repro --script` (AReaL #667 on, the routine's form on main): its file, with the one import of its
+# top that the call never reaches stubbed (the NPU switch, False: the CUDA and CPU path), and the call.
+HARNESS = dataclasses.replace(HARNESS, script={"name": "AReaL", "files": {"vp": FILES[:1]}, "kernel": areal_engine,
+                                               "stubs": {"areal.infra.platforms": {"is_npu_available": "False"}},
+                                               "how": HOW})
+
 
 def _vp():
     return SOURCE.require(_VP)

@@ -17,6 +17,7 @@ HARNESS = Declaration(
     capabilities={"entropy": False, "keep_mask": False, "cpu": False},
     peer=PeerInfo(requires=("liger_kernel", "triton"), install="pip install liger-kernel",
                   upstream=("liger_kernel.transformers.LigerVocabParallelCrossEntropy",)),
+    script={"none": "its kernels are Triton, CUDA only, and a script runs on CPU over gloo"},
     # A library: no trainer of its own calls it here, so nothing is declared beyond its use (every case
     # drawn is taken as in its use; a trainer that adopts it declares its own).
     use=[],

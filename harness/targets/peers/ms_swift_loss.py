@@ -49,6 +49,7 @@ checks it is the harness's).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import inspect
 import types
@@ -61,8 +62,8 @@ from harness.targets.declaration import Declaration, PeerInfo
 from harness.targets.peers._mpu import FLOAT16_OUTPUT_FP32, GPT_LOGITS_CONTIGUOUS, NONCONTIGUOUS, parallel_state_group
 from harness.targets.peers._source import PeerSource, RoutineMissing
 
-HOW = ("git clone https://github.com/modelscope/ms-swift && export PYTHONPATH=$PWD/ms-swift:$PYTHONPATH "
-       "(its Megatron GRPO trainer's forward_step needs torch, megatron-core, transformers and accelerate)")
+CLONE = "git clone https://github.com/modelscope/ms-swift && export PYTHONPATH=$PWD/ms-swift:$PYTHONPATH"
+HOW = f"{CLONE} (its Megatron GRPO trainer's forward_step needs torch, megatron-core, transformers and accelerate)"
 _TRAINER, _BASE = "MegatronGRPOTrainer", "BaseMegatronTrainer"
 
 
@@ -107,6 +108,31 @@ HARNESS = Declaration(
                 f"{FLOAT16_OUTPUT_FP32}, so the logits reach forward_step in float32"},
     ],
 )
+
+
+
+def swift_grpo_step(vp, logits, args, unconcat_tokens, total_lengths, response_lengths, with_entropy=False):
+    """`MegatronGRPOTrainer.forward_step` on the packed `[1, T, V_local]` logits
+    (`swift/megatron/trainers/grpo_trainer.py:892-906`): the collator's labels (-100 on each prompt)
+    rolled by one (`base.py`'s `_prepare_batch`), the division by the trainer's temperature (in place
+    on ms-swift's model output; here a new tensor, the caller's logits being a leaf), and
+    `compute_logps_and_entropy_from_logits` at its default entropy chunk; each sample's rows at its
+    `completion_mask`. Needs only torch and `vp`, ms-swift's `vocab_parallel_utils.py`: `harness
+    repro --script` embeds it."""
+    labels = torch.cat([torch.as_tensor(t).reshape(-1).long().masked_fill(torch.arange(int(n)) < int(n) - int(r), -100)
+                        for t, n, r in zip(unconcat_tokens, total_lengths, response_lengths, strict=True)])  # -100 on each prompt
+    out = vp.compute_logps_and_entropy_from_logits(logits / (getattr(args, "rollout_temperature", None) or 1.0),
+                                                   torch.roll(labels, -1)[None], compute_entropy=with_entropy)
+    ends = torch.tensor(total_lengths, dtype=torch.long).cumsum(0) - 1  # the rows whose rolled label is a response token
+    return None, {k: [v[0, e - int(r):e] for e, r in zip(ends.tolist(), response_lengths, strict=True)]
+                  for k, v in zip(("log_probs", "entropy"), out, strict=True) if v is not None}
+
+
+# `harness repro --script`: ms-swift's `vocab_parallel_utils.py`, and the GRPO step over it.
+HARNESS = dataclasses.replace(HARNESS, script={
+    "name": "ms-swift", "wrapper": swift_grpo_step, "megatron": True,
+    "files": {"vp": ("swift/megatron/trainers/vocab_parallel_utils.py",)},
+    "how": f"{CLONE} (vocab_parallel_utils.py needs torch and megatron-core only)"})
 
 
 def _lean(name: str) -> Any:

@@ -112,10 +112,27 @@ def nemo_rl_kernel(mu, logits, tokens, tp_group, chunk_size=-1):
     return out.reshape(-1), None
 
 
-# `harness repro --script`: NeMo-RL's module, imported from the tree on PYTHONPATH, and the call.
-HARNESS = dataclasses.replace(HARNESS, script={
-    "name": "NeMo-RL", "files": {"mu": "nemo_rl.distributed.model_utils"}, "kernel": nemo_rl_kernel,
-    "how": "git clone https://github.com/NVIDIA-NeMo/RL nemo-rl && export PYTHONPATH=$PWD/nemo-rl:$PYTHONPATH"})
+def nemo_rl_packed(mu, logits, args, unconcat_tokens, total_lengths, response_lengths):
+    """NeMo-RL's Megatron worker's packed log-probs at CP 1 (`from_parallel_logits_to_logprobs_packed_sequences`):
+    the model's `[1, T, V_local]` output divided by the temperature (in place there, on its own tensor), the
+    unrolled targets and sequence boundaries, this rank's vocabulary range, the chunk size where one is set;
+    each sequence's response rows (row j: log p(token j + 1)). Needs torch and `mu`: `harness repro --script`
+    embeds it."""
+    from megatron.core import parallel_state as mpu
+
+    v, chunk = logits.shape[-1], getattr(args, "log_probs_chunk_size", None) or -1
+    cu = torch.tensor([0, *torch.tensor(total_lengths, dtype=torch.long).cumsum(0).tolist()], dtype=torch.int32)
+    out = mu.from_parallel_logits_to_logprobs_packed_sequences(
+        logits / (getattr(args, "rollout_temperature", None) or 1.0), torch.cat(unconcat_tokens).long()[None], cu,
+        max(total_lengths), mpu.get_tensor_model_parallel_rank() * v, (mpu.get_tensor_model_parallel_rank() + 1) * v,
+        mpu.get_tensor_model_parallel_group(), inference_only=False, chunk_size=chunk if chunk > 0 else None)
+    return None, {"log_probs": [row[n - r - 1:n - 1] for row, n, r in zip(out, total_lengths, response_lengths, strict=True)]}
+
+
+NEMO_RL_HOW = "git clone https://github.com/NVIDIA-NeMo/RL nemo-rl && export PYTHONPATH=$PWD/nemo-rl:$PYTHONPATH"
+# `harness repro --script`: NeMo-RL's module, imported from the tree on PYTHONPATH, and the calls.
+HARNESS = dataclasses.replace(HARNESS, script={"name": "NeMo-RL", "files": {"mu": "nemo_rl.distributed.model_utils"},
+                                               "kernel": nemo_rl_kernel, "wrapper": nemo_rl_packed, "how": NEMO_RL_HOW})
 
 
 def _padded(length: int, cp: int) -> int:

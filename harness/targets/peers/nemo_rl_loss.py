@@ -52,6 +52,10 @@ HARNESS = Declaration(
         "nemo_rl.models.megatron.train.apply_temperature_scaling",
         "nemo_rl.algorithms.loss.utils.prepare_loss_input",
         "nemo_rl.algorithms.loss.wrapper.SequencePackingLossWrapper")),
+    script={"none": "NeMo-RL's post-processor spans several of its files (train.py, algorithms/loss/, the packing "
+                    "wrappers) whose imports need pydantic and the rest of NeMo-RL's stack, which the adapter avoids by "
+                    "compiling each definition alone (harness.targets.peers._source); the `nemo_rl` and `nemo_rl_unpacked` "
+                    "adapters' scripts call its log-prob functions as this post-processor does"},
     use=[
         {"where": {"layout": NONCONTIGUOUS},
          "why": "nemo_rl/models/megatron/train.py:287-336: `output_tensor` is the model's output, scaled in place and handed to "

@@ -14,6 +14,8 @@ it dispatches to are the `nemo_rl` adapter's kernel.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from harness.targets.declaration import Declaration, PeerInfo
@@ -31,6 +33,28 @@ HARNESS = Declaration(
     use=packed.HARNESS.use,
 )
 
+
+
+def nemo_rl_unpacked(mu, logits, args, unconcat_tokens, total_lengths, response_lengths):
+    """NeMo-RL's Megatron worker without sequence packing, at CP 1 (`from_parallel_logits_to_logprobs`), one
+    sequence a call: its rows of the model's output divided by the temperature, its unrolled tokens, this
+    rank's vocabulary range, the chunk size where one is set; its response rows (row j: log p(token j + 1)).
+    Needs torch and `mu`: `harness repro --script` embeds it."""
+    from megatron.core import parallel_state as mpu
+
+    v, chunk = logits.shape[-1], getattr(args, "log_probs_chunk_size", None) or -1
+    x, rank, rows, start = logits / (getattr(args, "rollout_temperature", None) or 1.0), mpu.get_tensor_model_parallel_rank(), [], 0
+    for toks, n, r in zip(unconcat_tokens, total_lengths, response_lengths, strict=True):
+        out = mu.from_parallel_logits_to_logprobs(x[:, start:start + n], toks.long()[None], rank * v, (rank + 1) * v,
+                                                  mpu.get_tensor_model_parallel_group(), inference_only=False,
+                                                  chunk_size=chunk if chunk > 0 else None)
+        rows, start = rows + [out[0, n - r - 1:n - 1]], start + n
+    return None, {"log_probs": rows}
+
+
+# `harness repro --script`: NeMo-RL's module, imported from the tree on PYTHONPATH, and the call.
+HARNESS = dataclasses.replace(HARNESS, script={"name": "NeMo-RL", "files": {"mu": "nemo_rl.distributed.model_utils"},
+                                               "wrapper": nemo_rl_unpacked, "how": packed.NEMO_RL_HOW})
 
 def _per_sequence_rows(x: torch.Tensor, tokens: list[torch.Tensor], lengths: list[int], padded: list[int],
                        call: dict) -> list[torch.Tensor]:

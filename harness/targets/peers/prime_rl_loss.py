@@ -79,6 +79,10 @@ HARNESS = Declaration(
                   upstream=("prime_rl.trainer.rl.loss.selective_log_softmax",
                             "prime_rl.trainer.rl.loss.compute_entropy",
                             "prime_rl.trainer.rl.loss.shift_tensor_left (shift_tensor_right; shift_logits before #1525)")),
+    script={"none": "its train step's functions live in src/prime_rl/trainer/rl/loss.py, whose top imports prime-rl's "
+                    "config package, beartype and jaxtyping (the adapter compiles each function alone, "
+                    "harness.targets.peers._source); prime-rl is not tensor-parallel, and its fused LM head, the "
+                    "default path, has scripts through the `prime_rl` adapter"},
     # What prime-rl's own caller makes (`src/prime_rl/trainer/rl/train.py`); the harness's cases beyond
     # it are findings beyond its use (harness.checks.use).
     use=[

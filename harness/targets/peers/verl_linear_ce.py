@@ -19,6 +19,7 @@ HARNESS = Declaration(
     capabilities={"metric_only_entropy": False, "cpu": False},
     peer=PeerInfo(requires=("verl", "triton"), install="pip install verl==0.9.1 (on a CUDA machine)",
                   upstream=("verl.utils.kernel.linear_cross_entropy.linear_cross_entropy",)),
+    script={"none": "its kernels are Triton, CUDA only, and a script runs on CPU over gloo"},
     # What verl's own caller makes: its model forward with the Triton backend (`verl/models/transformers/dense_common.py:173-195`), the
     # same hidden states and LM head as `verl_fused_linear`'s, so the same use.
     use=[

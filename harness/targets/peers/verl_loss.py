@@ -42,6 +42,7 @@ kernel level.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 from typing import Any
@@ -51,6 +52,8 @@ import torch
 from harness.targets.declaration import Declaration, PeerInfo
 from harness.targets.peers._mpu import parallel_state_group
 from harness.targets.peers._source import PeerSource
+from harness.targets.peers.verl import FILES
+from harness.targets.peers.verl import HOW as TP_HOW
 
 HOW = ("pip install verl==0.9.1, or git clone https://github.com/verl-project/verl && export "
        "PYTHONPATH=$PWD/verl:$PYTHONPATH (the processor needs torch, megatron-core and tensordict)")
@@ -89,6 +92,29 @@ HARNESS = Declaration(
                 "response tokens, and a micro-batch holds whole samples: its logits are never empty"},
     ],
 )
+
+
+
+def verl_lm_head_step(tp, logits, args, unconcat_tokens, total_lengths, response_lengths, with_entropy=False):
+    """The engine's `_lm_head_logits_processor` (`verl/workers/engine/megatron/transformer_impl.py:1197-1231`)
+    on the packed `[1, T, V_local]` logits, as `forward_step` binds it: the labels rolled by one, the
+    temperature's division (in place on verl's model output; here a new tensor, the caller's logits
+    being a leaf), the entropy unchunked or, when `McoreEngineConfig.entropy_from_logits_with_chunking`
+    is set (`args.log_probs_chunk_size > 0`), in chunks of that many rows, the log-probs on
+    `logits.clone()`; each sample's response rows cut as `no_padding_2_padding` cuts them. Needs only
+    torch and `tp`, verl's `verl/utils/megatron/tensor_parallel.py`: `harness repro --script` embeds it."""
+    label = torch.roll(torch.cat([torch.as_tensor(t).reshape(-1) for t in unconcat_tokens]).long(), -1)[None]
+    chunk, logits = getattr(args, "log_probs_chunk_size", None) or -1, logits / (getattr(args, "rollout_temperature", None) or 1.0)
+    ret = {"log_probs": tp.vocab_parallel_log_probs_from_logits(logits.clone() if with_entropy else logits, label)}
+    if with_entropy:  # in chunks where `McoreEngineConfig` sets `entropy_from_logits_with_chunking` (verl #6446 on)
+        ret["entropy"] = tp.vocab_parallel_entropy(logits) if chunk <= 0 else tp.vocab_parallel_entropy_with_chunking(logits, chunk)
+    ends = torch.tensor(total_lengths, dtype=torch.long).cumsum(0) - 1  # `no_padding_2_padding`'s cut
+    return None, {k: [v[0, e - int(r):e] for e, r in zip(ends.tolist(), response_lengths, strict=True)] for k, v in ret.items()}
+
+
+# `harness repro --script`: verl's `tensor_parallel.py`, and the engine's step over it.
+HARNESS = dataclasses.replace(HARNESS, script={"name": "verl", "files": FILES, "wrapper": verl_lm_head_step,
+                                               "megatron": True, "how": TP_HOW})
 
 
 class _Output(torch.autograd.Function):
