@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness.base import levels
 from harness.base.errors import TargetError
 from harness.cases.case import DistillCase, KernelCase, LinearCase, WrapperCase, parse_case
 from harness.cases.kl import KLCase
@@ -170,6 +171,13 @@ def test_every_adapter_loads_and_declares_itself() -> None:
         # where it has no defect in its own use (an empty file: nothing found, or not run on CPU).
         assert peer.known is not None, f"{peer.name} has no {peer.name}.known.toml"
         load_known(peer.known)
+
+
+def test_every_adapter_declares_a_script_or_why_it_has_none() -> None:
+    """`harness repro --script` has a call for every adapter, or the adapter's reason it cannot have one."""
+    for peer in PEERS.values():
+        script = importlib.import_module(peer.spec).HARNESS.script
+        assert script and (set(script) & set(levels.all_levels()) or str(script.get("none", "")).strip()), peer.name
 
 
 def test_cuda_only_peer_is_refused_on_cpu_with_its_reason() -> None:

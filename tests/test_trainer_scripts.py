@@ -24,7 +24,7 @@ RUNS = {
         "DEFECT (crash): rank 0's backward raised RuntimeError: one of the variables needed for gradient computation "
         "has been modified by an inplace operation"),
     "verl-clean": (
-        "verl_loss", "wrapper:tp=2,v_local=8,total_lengths=4/5,response_lengths=2/3,entropy_coef=0.01,temperature=0.7,"
+        "verl_loss", "wrapper:tp=1,v_local=16,total_lengths=4/5,response_lengths=2/3,entropy_coef=0.01,temperature=0.7,"
         "chunk_size=-1,with_entropy=1,top_p=none,regime=normal,seed=3", "wrapper-gradients", "", 0,
         "no defect (wrapper-gradients)"),
     "ms-swift-log-prob-gradient": (
