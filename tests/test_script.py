@@ -145,6 +145,23 @@ def test_a_routine_file_given_as_the_argument_is_the_one_run(tmp_path: Path) -> 
     assert harness.returncode != 0  # the scripts above ran without the harness on the path
 
 
+def test_a_wrapper_script_hands_over_every_field_of_the_harness_s_args(tmp_path: Path) -> None:
+    """A trainer's wrapper reads its `args` by attribute (slime's `args.allgather_cp`): the script's `ARGS`
+    holds every field the harness hands over, at its value, at every check."""
+    routine = load_target(str(built_in(tmp_path, "script_args_fused")))
+    case = levels.parse("wrapper:tp=1,v_local=4,total_lengths=4/5,response_lengths=2/3,entropy_coef=0.0,temperature=0.7,"
+                        "chunk_size=2,with_entropy=1")
+    for check in scripts.level_script(case).checks:
+        if check == scripts.MEMORY:
+            continue  # float32 logits: refused
+        path = tmp_path / f"args_{check}.py"
+        scripts.write(routine, case, check, "", path)
+        settings = next(line for line in path.read_text().splitlines() if line.startswith("TOTAL_LENGTHS"))
+        names, values = settings.split(" = ", 1)
+        args = ast.literal_eval(values)[names.split(", ").index("ARGS")]
+        assert args == vars(scripts.script_case(case, check, "").args()), check
+
+
 def test_refusals_name_what_a_script_cannot_hand_over(tmp_path: Path) -> None:
     routine = load_target(str(built_in(tmp_path, "script_refused_fused")))
     distill = load_target(str(distill_built_in(tmp_path, "script_refused_distill")))

@@ -1,8 +1,9 @@
 """Peers' scripts run on the peers' own code (`harness repro --script`): the trainers' steps at the
 wrapper level (`verl_loss`, `ms_swift_loss`, `nemo_rl`, `nemo_rl_unpacked`: the step around the
-routine, re-typed in a dozen lines over the routine's own file), AReaL's kernel and Liger's fused-linear
-JSD. Each shows the defect its adapter finds and nothing on a clean case, with its trainer's tree
-on sys.path (skipped without it), in an interpreter that finds only torch, megatron-core and that tree."""
+routine, re-typed in a dozen lines over the routine's own file), AReaL's kernel, Liger's fused-linear
+JSD and slime's own wrapper (slime #2153's rule). Each shows the defect its adapter finds and nothing
+on a clean case, with its trainer's tree on sys.path (skipped without it), in an interpreter that
+finds only torch, megatron-core and that tree."""
 from __future__ import annotations
 
 import importlib.util
@@ -51,6 +52,14 @@ RUNS = {
     "areal-clean-tp2": (
         "areal", "kernel:tp=2,T=6,v_local=8,dtype=fp32,regime=normal,chunk_size=4,mask=none,with_entropy=1,"
         "with_entropy_grad=1,requires_grad=1,loss_terms=log_prob,seed=5", "gradients", "", 0, "no defect (gradients)"),
+    "slime-2153-rule-clean": (
+        "slime.backends.megatron_utils.loss", "wrapper:tp=2,v_local=5,total_lengths=6/4,response_lengths=3/2,"
+        "entropy_coef=0.0,temperature=absent,chunk_size=-1,with_entropy=1,top_p=none,regime=normal,seed=2153",
+        "entropy-coef-rule", "", 0, "no defect (entropy-coef-rule)"),
+    "slime-2153-gradients-clean": (
+        "slime.backends.megatron_utils.loss", "wrapper:tp=1,v_local=8,total_lengths=6/4,response_lengths=3/2,"
+        "entropy_coef=0.0,temperature=0.8,chunk_size=2,with_entropy=1,top_p=nucleus,regime=normal,seed=2153",
+        "wrapper-gradients", "entropy", 0, "no defect (wrapper-gradients)"),
     "liger-bf16-soft-loss": (
         "liger_jsd", "linear_distill:tp=1,T=1,H=1,v_local=2,kind=jsd,beta=0.1,dtype=bf16,labels=all,seed=0", "values", "",
         1, "DEFECT (values): the loss is 0.0131226 where 0.0116603 is expected"),
@@ -60,7 +69,7 @@ RUNS = {
 }
 # The package each adapter's script finds on PYTHONPATH: its tree's root is where that package lies.
 PACKAGE = {"verl_loss": "verl", "ms_swift_loss": "swift", "nemo_rl": "nemo_rl", "nemo_rl_unpacked": "nemo_rl",
-           "areal": "areal", "liger_jsd": "liger_kernel"}
+           "areal": "areal", "liger_jsd": "liger_kernel", "slime.backends.megatron_utils.loss": "slime"}
 
 
 def _root(package: str) -> Path | None:
@@ -83,7 +92,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, 
         if root is None:
             continue
         script = tmp / f"{name}.py"
-        scripts.write(load_target(f"harness.targets.peers.{adapter}"), levels.parse(spec), check, term, script)
+        target = load_target(adapter if "." in adapter else f"harness.targets.peers.{adapter}")
+        scripts.write(target, levels.parse(spec), check, term, script)
         started[name] = start_script(script, root), len(script.read_text().splitlines())
     return finished(started)
 

@@ -18,13 +18,13 @@ def write(case: Any, check: str, term: str, memory: bool) -> Parts:
     coef = 0.0 if case.entropy_coef is None else case.entropy_coef
     ent_in = case.with_entropy and coef != 0
     backward = check in ("wrapper-gradients", "crash", "memory-logits-dtype")
-    # A crash (or a memory figure) is about every differentiable output, as a trainer's loss weighs
-    # them, with or without response rows; a gradient is about the terms the expectation has.
-    every = check != "wrapper-gradients"
-    outs = "res['log_probs'] + (res.get('entropy') or [])" if every or ent_in else "res['log_probs']"
-    lossed = f"sum(((w * o).sum() for o, w in zip({outs}, w_lp + w_ent) if o.requires_grad), torch.zeros(()))"
+    # The loss weighs every differentiable output, as the harness's does, with or without response
+    # rows: an entropy that keeps its gradient at entropy_coef 0 (slime #2153) puts its term in the
+    # gradient, which the expectation leaves out. A crash or memory case may have nothing to differentiate.
+    lossed = "sum(((w * o).sum() for o, w in zip(res['log_probs'] + (res.get('entropy') or []), w_lp + w_ent) " \
+        "if o.requires_grad), torch.zeros(()))"
     body = "    _, res = CALL"
-    after = "" if not backward else f"\n    ({lossed}).backward()" if not every else \
+    after = "" if not backward else f"\n    ({lossed}).backward()" if check == "wrapper-gradients" else \
         f"\n    loss = {lossed}\n    if loss.requires_grad:\n        loss.backward()"
     out = ('{"log-prob": res["log_probs"], "entropy": res.get("entropy"), "grad": shard.grad, '
            '"flags": [e.requires_grad for e in res.get("entropy") or []]}')
@@ -57,7 +57,7 @@ def run(fn, rank, group):
             "top_p_token_ids": ("[sum(n, []) for n in ids]", ANY) if top_p else ("None", None),
             "top_p_token_offsets": ("[[0, *torch.tensor([len(r) for r in n]).cumsum(0).tolist()] for n in ids]", ANY)
             if top_p else ("None", None)}
-    args_ns = {k: v for k, v in vars(case.args()).items() if k != "allgather_cp" or v}
+    args_ns = vars(case.args())  # every field the harness hands the wrapper: a trainer reads them as attributes
     judge = {"wrapper-gradients": gradients(case, ent_in), "entropy-coef-rule": RULE, "crash": NONE}.get(check, VALUES_JUDGE)
     terms = {"wrapper-extraction": ["log-prob"], "wrapper-entropy": ["entropy"], "top-p-replay": ["log-prob"]}.get(
         check, [term] if term else ["log-prob", "entropy"] if case.with_entropy else ["log-prob"])
