@@ -476,7 +476,13 @@ def test_a_tree_without_the_peer_s_routine_is_refused_not_run(tmp_path, monkeypa
     (pkg / "tensor_parallel.py").write_text("from math import fsum as vocab_parallel_entropy\n")
     (tmp_path / "verl" / "__init__.py").write_text("")  # found, its module is imported (in a child): it must import
     assert absent_here(spec) is None
-    importlib.import_module("harness.targets.peers.prime_rl")  # its tree lives under src/: it finds it itself
+    # An adapter that loads its routine's own file finds its tree itself (prime-rl's under src/), and
+    # without one says where to get it rather than running every case into its ImportError.
+    prime = importlib.import_module("harness.targets.peers.prime_rl")
+    if not prime.SOURCE.roots():
+        assert "source is not on sys.path" in (absent_here("harness.targets.peers.prime_rl") or "")
+    (tmp_path / "prime-rl" / "src" / "prime_rl" / "trainer").mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(tmp_path / "prime-rl"))
     assert absent_here("harness.targets.peers.prime_rl") is None
 
 
