@@ -42,7 +42,7 @@ def inputs():
     return logits.to({dtype(case)}), tokens, {"ids" if nucleus else "None"}, w_lp, w_ent
 
 
-{reference(case, check, term) if check in VALUES + ("wrapper-gradients",) else ""}'''
+{reference(case, check, term, ent_in) if check in VALUES + ("wrapper-gradients",) else ""}'''
     run = f'''
 def run(fn, rank, group):
     """Rank `rank`'s shard of the packed logits, [1, T, V_LOCAL] as the model returns them; the call{"; the backward" if backward else ""}."""
@@ -73,13 +73,12 @@ def run(fn, rank, group):
                                                    "WITH_ENTROPY": case.with_entropy})
 
 
-def reference(case: Any, check: str, term: str) -> str:
+def reference(case: Any, check: str, term: str, ent_in: bool) -> str:
     """`reference(x, tokens, ids)`: per sample, the float64 log-probs (and entropies, where the script
     reads them) of its response rows, the logits at the temperature, the nucleus replayed for the log-probs."""
     nucleus = case.top_p != "none"
-    coef = 0.0 if case.entropy_coef is None else case.entropy_coef
     entropy = case.with_entropy and term != "log-prob" and (check in ("wrapper-entropy", "temperature") or
-                                                            check == "wrapper-gradients" and coef != 0)
+                                                            check == "wrapper-gradients" and ent_in)
     temp = f" / {case.temperature!r}" if case.temperature not in (None, 1.0) else ""
     lines = ["def reference(x, tokens, ids):  # per sample: its response rows' float64 values (row j predicts token j + 1)",
              "    lps, ents, start = [], [], 0",

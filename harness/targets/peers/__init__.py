@@ -206,13 +206,13 @@ def absent_here(spec: str) -> str | None:
     import error. Adapters that import inside their calls rely on it."""
     module = sys.modules.get(spec)
     meta = declaration_of(module).peer if module is not None else None
+    if meta is None:
+        return None
     source = getattr(module, "SOURCE", None)
-    if meta is not None and isinstance(source, PeerSource):
+    if isinstance(source, PeerSource):
         # An adapter that loads its routine's own file finds it, or says why, itself, once its tree (or
         # the installed package) is on sys.path; without one, every case would be its ImportError.
         return None if source.roots() else f"{spec}: {source.peer}'s source is not on sys.path: {source.how}"
-    if meta is None:
-        return None
     missing = _missing(meta["requires"])
     if missing:
         return f"{spec} needs {', '.join(missing)}, not installed here: {meta['install']}"

@@ -129,11 +129,13 @@ HARNESS = Declaration(
     ],
 )
 
+
 def areal_engine(vp, logits, tokens, tp_group, with_entropy=False, chunk_size=-1):
     """AReaL's engines' call (`areal/engine/megatron_engine.py:2072-2078`, `fsdp_engine.py:1922-1928`): the TP
     group only where it has more than one rank, no chunk size (AReaL's 1024 rows) unless the case sets one.
     Needs only torch and `vp`, AReaL's `vocab_parallel.py` (AReaL #667 on): `harness repro --script` embeds it."""
-    kw = {"tp_group": tp_group if dist.get_world_size(tp_group) > 1 else None, **({"chunk_size": chunk_size} if chunk_size > 0 else {})}
+    kw = {"tp_group": tp_group if dist.get_world_size(tp_group) > 1 else None,
+          **({"chunk_size": chunk_size} if chunk_size > 0 else {})}
     if with_entropy:
         return vp.gather_logprobs_entropy(logits, tokens.reshape(-1).long(), 1.0, **kw)
     return vp.gather_logprobs(logits, tokens.reshape(-1).long(), 1.0, **kw), None

@@ -110,7 +110,6 @@ HARNESS = Declaration(
 )
 
 
-
 def swift_grpo_step(vp, logits, args, unconcat_tokens, total_lengths, response_lengths, with_entropy=False):
     """`MegatronGRPOTrainer.forward_step` on the packed `[1, T, V_local]` logits
     (`swift/megatron/trainers/grpo_trainer.py:892-906`): the collator's labels (-100 on each prompt)

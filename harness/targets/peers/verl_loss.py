@@ -53,7 +53,7 @@ from harness.targets.declaration import Declaration, PeerInfo
 from harness.targets.peers._mpu import parallel_state_group
 from harness.targets.peers._source import PeerSource
 from harness.targets.peers.verl import FILES
-from harness.targets.peers.verl import HOW as TP_HOW
+from harness.targets.peers.verl import HOW as TP_HOW  # the script's: tensor_parallel.py alone
 
 HOW = ("pip install verl==0.9.1, or git clone https://github.com/verl-project/verl && export "
        "PYTHONPATH=$PWD/verl:$PYTHONPATH (the processor needs torch, megatron-core and tensordict)")
